@@ -1,0 +1,118 @@
+"""One-token decode attention against a paged cache: dense, and block-sparse in three forms.
+
+All share one signature shape: ``q [B, H, D]`` against ``k_pages, v_pages [B, Hkv, P, S, D]``
+with ``positions [B]`` (the query token's absolute position; keys at later positions are
+masked). Sparse forms also take ``page_idx [B, Hkv, N]`` / ``page_valid [B, Hkv, N]``
+from :func:`sparrow_jax.attention.selection.select_pages`. Softmax is in float32.
+
+* ``sparse_decode_reference``: masks the full cache with the selected pages (clear, slow).
+* ``sparse_decode_xla``: gathers only the selected pages (the CPU default).
+* Pallas kernels (``pallas_kernels``) for TPU and GPU, tested against the reference.
+"""
+from __future__ import annotations
+
+import functools
+import warnings
+
+import jax
+import jax.numpy as jnp
+
+from sparrow_jax.attention.selection import selected_page_mask
+
+IMPLEMENTATIONS = ("auto", "reference", "xla", "pallas_tpu", "pallas_gpu", "triton")
+
+
+def _group(q, num_kv_heads):
+    b, h, d = q.shape
+    return q.reshape(b, num_kv_heads, h // num_kv_heads, d)
+
+
+def _masked_softmax_attend(qg, k, v, mask, scale):
+    """qg [B,Hkv,G,D], k/v [B,Hkv,T,D], mask [B,Hkv,T] -> [B,Hkv,G,D] float32."""
+    s = jnp.einsum("bhgd,bhtd->bhgt", qg, k, preferred_element_type=jnp.float32) * scale
+    s = jnp.where(mask[:, :, None, :], s, -jnp.inf)
+    p = jax.nn.softmax(s, axis=-1)
+    return jnp.einsum("bhgt,bhtd->bhgd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+
+
+def dense_decode(q, k_pages, v_pages, positions, scale=None):
+    """Full attention over every cached token at or before ``positions``. Returns [B, H, D]."""
+    b, hkv, p, s, d = k_pages.shape
+    scale = d ** -0.5 if scale is None else scale
+    k, v = k_pages.reshape(b, hkv, p * s, d), v_pages.reshape(b, hkv, p * s, d)
+    mask = jnp.broadcast_to((jnp.arange(p * s)[None] <= positions[:, None])[:, None], (b, hkv, p * s))
+    out = _masked_softmax_attend(_group(q, hkv).astype(k.dtype), k, v, mask, scale)
+    return out.reshape(q.shape).astype(q.dtype)
+
+
+def sparse_decode_reference(q, k_pages, v_pages, page_idx, page_valid, positions, scale=None):
+    """Reference: dense attention restricted to the selected pages by a mask."""
+    b, hkv, p, s, d = k_pages.shape
+    scale = d ** -0.5 if scale is None else scale
+    page_mask = selected_page_mask(page_idx, page_valid, p)  # [B, Hkv, P]
+    causal = (jnp.arange(p * s)[None] <= positions[:, None])[:, None]
+    mask = jnp.repeat(page_mask, s, axis=-1) & causal
+    k, v = k_pages.reshape(b, hkv, p * s, d), v_pages.reshape(b, hkv, p * s, d)
+    out = _masked_softmax_attend(_group(q, hkv).astype(k.dtype), k, v, mask, scale)
+    return out.reshape(q.shape).astype(q.dtype)
+
+
+def sparse_decode_xla(q, k_pages, v_pages, page_idx, page_valid, positions, scale=None):
+    """Gather only the selected pages (rows of S*D contiguous values) and attend over them."""
+    b, hkv, p, s, d = k_pages.shape
+    n = page_idx.shape[-1]
+    scale = d ** -0.5 if scale is None else scale
+    # Flat row index of each selected page in a [B*Hkv*P, S*D] view: a contiguous-row gather.
+    base = (jnp.arange(b)[:, None] * hkv + jnp.arange(hkv)[None]) * p  # [B, Hkv]
+    flat = (base[..., None] + page_idx).reshape(-1)
+    k = jnp.take(k_pages.reshape(b * hkv * p, s * d), flat, axis=0).reshape(b, hkv, n * s, d)
+    v = jnp.take(v_pages.reshape(b * hkv * p, s * d), flat, axis=0).reshape(b, hkv, n * s, d)
+    token_pos = (page_idx[..., None] * s + jnp.arange(s)).reshape(b, hkv, n * s)
+    mask = jnp.repeat(page_valid, s, axis=-1) & (token_pos <= positions[:, None, None])
+    out = _masked_softmax_attend(_group(q, hkv).astype(k.dtype), k, v, mask, scale)
+    return out.reshape(q.shape).astype(q.dtype)
+
+
+@functools.lru_cache(maxsize=None)
+def _platform() -> str:
+    return jax.default_backend()
+
+
+def resolve_impl(impl: str) -> str:
+    """Map ``auto`` (and unavailable choices) to a concrete implementation for this platform."""
+    if impl not in IMPLEMENTATIONS:
+        raise ValueError(f"unknown sparse attention implementation {impl!r}; expected one of {IMPLEMENTATIONS}")
+    platform = _platform()
+    if impl == "auto":
+        return {"tpu": "pallas_tpu", "gpu": "pallas_gpu"}.get(platform, "xla")
+    if impl == "triton":
+        try:
+            from pallas_kernels import triton_available  # noqa: WPS433 (guarded optional import)
+            if triton_available():
+                return impl
+        except ImportError:
+            pass
+        warnings.warn("jax-triton is not usable with this jax; falling back to the Pallas GPU kernel"
+                      if platform == "gpu" else "jax-triton needs a GPU; falling back to XLA")
+        return "pallas_gpu" if platform == "gpu" else "xla"
+    return impl
+
+
+def sparse_decode(q, k_pages, v_pages, page_idx, page_valid, positions, scale=None, impl="auto"):
+    """Dispatch block-sparse decode attention to the chosen implementation. Returns [B, H, D]."""
+    impl = resolve_impl(impl)
+    if impl == "reference":
+        return sparse_decode_reference(q, k_pages, v_pages, page_idx, page_valid, positions, scale)
+    if impl == "xla":
+        return sparse_decode_xla(q, k_pages, v_pages, page_idx, page_valid, positions, scale)
+    import pallas_kernels  # deferred: Pallas imports are heavy and optional on CPU
+
+    interpret = _platform() == "cpu"
+    if impl == "pallas_tpu":
+        return pallas_kernels.sparse_decode_tpu(q, k_pages, v_pages, page_idx, page_valid, positions,
+                                                scale=scale, interpret=interpret)
+    if impl == "pallas_gpu":
+        return pallas_kernels.sparse_decode_gpu(q, k_pages, v_pages, page_idx, page_valid, positions,
+                                                scale=scale, interpret=interpret)
+    return pallas_kernels.sparse_decode_triton(q, k_pages, v_pages, page_idx, page_valid, positions,
+                                               scale=scale)

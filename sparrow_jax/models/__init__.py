@@ -1,0 +1,6 @@
+"""Qwen3 policy model: config, NNX modules, pure forward functions, HF checkpoint I/O."""
+from sparrow_jax.models.config import Qwen3Config, tiny_config
+from sparrow_jax.models.forward import (decode_step, dense_hidden, dense_logits, init_caches, prefill,
+                                        sparse_hidden, unembedding)
+from sparrow_jax.models.qwen3 import Qwen3, bind, init_params, param_shapes
+from sparrow_jax.models.hf_io import CheckpointError, load_hf, save_hf

@@ -1,0 +1,174 @@
+"""Pure functions over (config, params) for every way the model is run.
+
+* :func:`dense_logits` / :func:`dense_hidden`: teacher-forced, full causal attention.
+* :func:`sparse_hidden`: teacher-forced, every query restricted to the pages the sparse
+  sampler would have selected at that position (the sparse scorer).
+* :func:`prefill`: prompt into a paged cache (dense attention, as in the paper).
+* :func:`decode_step`: one token per row against the cache, dense or block-sparse.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+
+from sparrow_jax.attention.cache import PagedKVCache, append_token, init_cache, write_prefill
+from sparrow_jax.attention.causal import causal_attention, causal_attention_prefill
+from sparrow_jax.attention.decode import dense_decode, sparse_decode
+from sparrow_jax.attention.selection import group_mean_query, score_pages, select_pages, selected_page_mask
+from sparrow_jax.models.config import Qwen3Config
+from sparrow_jax.models.qwen3 import Params, bind
+
+
+def _positions(tokens):
+    b, t = tokens.shape
+    return jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+
+
+def dense_hidden(config: Qwen3Config, params: Params, tokens: jax.Array, chunk: int = 256,
+                 remat: bool = False) -> jax.Array:
+    """tokens int32 [B, L] (positions 0..L-1) -> final hidden states [B, L, hidden]."""
+    model = bind(config, params)
+    attention = lambda layer, q, k, v: causal_attention(q, k, v, chunk=chunk)
+    return model(tokens, _positions(tokens), attention, remat=remat)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def dense_logits(config: Qwen3Config, params: Params, tokens: jax.Array) -> jax.Array:
+    """Full-sequence causal logits, float32 [B, L, V]. tokens int32 [B, L], positions 0..L-1.
+
+    Convenience for tests and small inputs; scorers use :func:`dense_hidden` and reduce
+    over the vocabulary in chunks instead of holding [B, L, V].
+    """
+    model = bind(config, params)
+    attention = lambda layer, q, k, v: causal_attention(q, k, v)
+    return model.logits(model(tokens, _positions(tokens), attention))
+
+
+def unembedding(config: Qwen3Config, params: Params) -> jax.Array:
+    """[hidden, V] output projection (the tied embedding transposed when tied)."""
+    return bind(config, params).unembedding()
+
+
+def sparse_page_mask_fn(k: jax.Array, budget: jax.Array, k_max: int, schedule):
+    """Per-query allowed pages reproducing the sampler's selection in one teacher-forced pass.
+
+    k: [B, T, Hkv, D] keys of the layer (post RoPE); budget: int32 [B, T] top-k pages
+    wanted at each query position. Page metadata is recomputed from ``k``; candidate pages
+    are complete before every query that may pick them (reserved_last >= 1), so their
+    metadata equals what the sampler's cache held at that step.
+    """
+    if schedule.reserved_last < 1:
+        raise ValueError("the sparse scorer needs reserved_last >= 1 (the current page is partial)")
+    b, t, hkv, d = k.shape
+    s = schedule.page_size
+    pages = -(-t // s)
+    kp = jnp.pad(k.astype(jnp.float32), ((0, 0), (0, pages * s - t), (0, 0), (0, 0)))
+    kp = kp.reshape(b, pages, s, hkv, d).transpose(0, 3, 1, 2, 4)  # [B, Hkv, P, S, D]
+    centroid = kp.mean(axis=3)
+    kmin = kp.min(axis=3) if schedule.selector == "quest" else None
+    kmax = kp.max(axis=3) if schedule.selector == "quest" else None
+    budget_p = jnp.pad(budget, ((0, 0), (0, t)))  # query chunks may run past T (padding)
+
+    def page_mask(start, q_chunk):
+        c = q_chunk.shape[1]
+        qg = group_mean_query(q_chunk, hkv).transpose(0, 2, 1, 3)  # [B, Hkv, C, D]
+        if schedule.selector == "centroid":
+            scores = jnp.einsum("bhcd,bhpd->bhcp", qg, centroid)
+        else:
+            scores = jnp.sum(jnp.maximum(qg[:, :, :, None] * kmin[:, :, None],
+                                         qg[:, :, :, None] * kmax[:, :, None]), axis=-1)
+        q_pos = start + jnp.arange(c)
+        chunk_budget = jax.lax.dynamic_slice_in_dim(budget_p, start, c, axis=1)
+        idx, valid = select_pages(scores, q_pos[None, None, :], chunk_budget[:, None, :], k_max, s,
+                                  schedule.reserved_first, schedule.reserved_last)
+        return selected_page_mask(idx, valid, pages)
+
+    return page_mask
+
+
+def sparse_hidden(config: Qwen3Config, params: Params, tokens: jax.Array, schedule,
+                  k_max: Optional[int] = None, chunk: int = 256, remat: bool = False) -> jax.Array:
+    """Teacher-forced hidden states under the sparse actor's attention. -> [B, L, hidden].
+
+    Position t uses the pages the sparse sampler selects when decoding the token at t
+    (budget ``schedule.topk_at(t)``); layers in ``schedule.dense_layers`` stay dense.
+    """
+    b, t = tokens.shape
+    positions = _positions(tokens)
+    budget = schedule.topk_at(positions)
+    if k_max is None:
+        k_max = max(schedule.k_buckets(t) or (0,))
+    model = bind(config, params)
+    dense_layers = set(schedule.dense_layers)
+
+    def attention(layer, q, k, v):
+        if layer in dense_layers:
+            return causal_attention(q, k, v, chunk=chunk)
+        mask_fn = sparse_page_mask_fn(jax.lax.stop_gradient(k), budget, k_max, schedule)
+        return causal_attention(q, k, v, chunk=chunk, page_mask_fn=mask_fn, page_size=schedule.page_size)
+
+    return model(tokens, positions, attention, remat=remat)
+
+
+# ---- cache-based generation ---------------------------------------------------------
+
+def init_caches(config: Qwen3Config, batch: int, max_len: int, page_size: int = 16,
+                with_minmax: bool = False) -> tuple[PagedKVCache, ...]:
+    """One empty paged cache per layer, in the compute dtype."""
+    return tuple(init_cache(batch, config.num_key_value_heads, max_len, config.head_dim, page_size,
+                            config.compute_dtype, with_minmax) for _ in range(config.num_hidden_layers))
+
+
+@functools.partial(jax.jit, static_argnums=(0,), static_argnames=("chunk",), donate_argnums=(4,))
+def prefill(config: Qwen3Config, params: Params, tokens: jax.Array, lengths: jax.Array,
+            caches: Sequence[PagedKVCache], chunk: int = 256) -> tuple[PagedKVCache, ...]:
+    """Write prompts (right-padded tokens [B, L], valid lengths [B]) into the caches.
+
+    Returns the new caches; no logits (the last prompt token goes through
+    :func:`decode_step` so every sampled token comes from one decode step).
+    """
+    model = bind(config, params)
+    new_caches = list(caches)
+
+    def attention(layer, q, k, v):
+        new_caches[layer] = write_prefill(caches[layer], k, v, lengths)
+        return causal_attention_prefill(q, k, v, chunk=chunk)
+
+    model(tokens, _positions(tokens), attention)
+    return tuple(new_caches)
+
+
+def decode_step(config: Qwen3Config, params: Params, tokens: jax.Array, positions: jax.Array,
+                caches: Sequence[PagedKVCache], schedule=None, k_max: int = 0,
+                budget: Optional[jax.Array] = None, impl: str = "auto"):
+    """One decode step. tokens, positions: int32 [B] -> (logits float32 [B, V], new caches).
+
+    ``schedule=None`` is dense attention. Otherwise sparse layers select
+    ``reserved + min(budget, k_max)`` pages per (row, KV head) with the schedule's selector;
+    ``budget`` [B] defaults to ``schedule.topk_at(positions)``.
+    """
+    model = bind(config, params)
+    new_caches = list(caches)
+    dense_layers = set(schedule.dense_layers) if schedule is not None else set()
+    if schedule is not None and budget is None:
+        budget = schedule.topk_at(positions)
+
+    def attention(layer, q, k, v):
+        cache = append_token(caches[layer], k[:, 0], v[:, 0], positions)
+        new_caches[layer] = cache
+        q1 = q[:, 0]
+        if schedule is None or layer in dense_layers:
+            out = dense_decode(q1, cache.k, cache.v, positions)
+        else:
+            qg = group_mean_query(q1, config.num_key_value_heads)
+            scores = score_pages(qg, cache.centroid, cache.kmin, cache.kmax, schedule.selector)
+            idx, valid = select_pages(scores, positions[:, None], budget[:, None], k_max,
+                                      schedule.page_size, schedule.reserved_first, schedule.reserved_last)
+            out = sparse_decode(q1, cache.k, cache.v, idx, valid, positions, impl=impl)
+        return out[:, None]
+
+    hidden = model(tokens[:, None], positions[:, None], attention)
+    return model.logits(hidden[:, 0]), tuple(new_caches)

@@ -1,0 +1,173 @@
+"""Qwen3 causal LM in Flax NNX with pluggable attention.
+
+The module tree mirrors Hugging Face names (``embed_tokens``, ``layers[i].self_attn.q_proj``,
+...) so checkpoint I/O is a rename plus a transpose. Parameters travel as a **pure dict
+pytree** (``params``); :func:`bind` merges them into a module inside a traced function
+(split once, merge inside jit: no Python object crosses the jit boundary).
+
+Attention is a callable passed at call time, ``attention(layer, q, k, v) -> out`` with
+``q [B, T, H, D]``, ``k, v [B, T, Hkv, D]`` after q/k-norm and RoPE, so the same
+parameters serve teacher-forced forward, prefill into a cache and one-token decode, dense
+or block-sparse (see :mod:`sparrow_jax.models.attention_modes`).
+"""
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable, Protocol
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from sparrow_jax.models.config import Qwen3Config
+
+Params = dict[str, Any]
+
+
+class AttentionFn(Protocol):
+    def __call__(self, layer: int, q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array: ...
+
+
+_init = nnx.initializers.normal(0.02)
+
+
+class Linear(nnx.Module):
+    """Bias-free linear layer; ``kernel`` is [in, out] (HF stores the transpose)."""
+
+    def __init__(self, d_in: int, d_out: int, config: Qwen3Config, rngs: nnx.Rngs):
+        self.kernel = nnx.Param(_init(rngs.params(), (d_in, d_out), config.weight_dtype))
+        self.dtype = config.compute_dtype
+
+    def __call__(self, x):
+        return jnp.dot(x.astype(self.dtype), self.kernel[...].astype(self.dtype))
+
+
+class RMSNorm(nnx.Module):
+    def __init__(self, dim: int, config: Qwen3Config):
+        self.weight = nnx.Param(jnp.ones((dim,), config.weight_dtype))
+        self.eps = config.rms_norm_eps
+
+    def __call__(self, x):
+        xf = x.astype(jnp.float32)
+        xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
+        return (self.weight[...].astype(jnp.float32) * xf).astype(x.dtype)
+
+
+def rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
+    """Rotary embedding, HF "rotate_half" layout. x: [B, T, N, D]; positions: [B, T]."""
+    d = x.shape[-1]
+    inv_freq = 1.0 / (theta ** (jnp.arange(0, d, 2, dtype=jnp.float32) / d))
+    angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, D/2]
+    cos = jnp.cos(jnp.concatenate([angles, angles], -1))[:, :, None]
+    sin = jnp.sin(jnp.concatenate([angles, angles], -1))[:, :, None]
+    xf = x.astype(jnp.float32)
+    rotated = jnp.concatenate([-xf[..., d // 2:], xf[..., : d // 2]], -1)
+    return (xf * cos + rotated * sin).astype(x.dtype)
+
+
+class Attention(nnx.Module):
+    def __init__(self, config: Qwen3Config, rngs: nnx.Rngs):
+        h, d = config.hidden_size, config.head_dim
+        self.q_proj = Linear(h, config.num_attention_heads * d, config, rngs)
+        self.k_proj = Linear(h, config.num_key_value_heads * d, config, rngs)
+        self.v_proj = Linear(h, config.num_key_value_heads * d, config, rngs)
+        self.o_proj = Linear(config.num_attention_heads * d, h, config, rngs)
+        self.q_norm = RMSNorm(d, config)
+        self.k_norm = RMSNorm(d, config)
+        self.config = config
+
+    def __call__(self, layer: int, x, positions, attention: AttentionFn):
+        c = self.config
+        b, t, _ = x.shape
+        q = self.q_norm(self.q_proj(x).reshape(b, t, c.num_attention_heads, c.head_dim))
+        k = self.k_norm(self.k_proj(x).reshape(b, t, c.num_key_value_heads, c.head_dim))
+        v = self.v_proj(x).reshape(b, t, c.num_key_value_heads, c.head_dim)
+        q, k = rope(q, positions, c.rope_theta), rope(k, positions, c.rope_theta)
+        out = attention(layer, q, k, v)
+        return self.o_proj(out.reshape(b, t, -1))
+
+
+class MLP(nnx.Module):
+    def __init__(self, config: Qwen3Config, rngs: nnx.Rngs):
+        h, i = config.hidden_size, config.intermediate_size
+        self.gate_proj = Linear(h, i, config, rngs)
+        self.up_proj = Linear(h, i, config, rngs)
+        self.down_proj = Linear(i, h, config, rngs)
+
+    def __call__(self, x):
+        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nnx.Module):
+    def __init__(self, config: Qwen3Config, rngs: nnx.Rngs):
+        self.input_layernorm = RMSNorm(config.hidden_size, config)
+        self.self_attn = Attention(config, rngs)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config)
+        self.mlp = MLP(config, rngs)
+
+    def __call__(self, layer, x, positions, attention):
+        x = x + self.self_attn(layer, self.input_layernorm(x), positions, attention)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Qwen3(nnx.Module):
+    """Qwen3ForCausalLM. ``__call__`` returns final hidden states; :meth:`logits` unembeds."""
+
+    def __init__(self, config: Qwen3Config, rngs: nnx.Rngs):
+        self.config = config
+        self.embed_tokens = nnx.Param(_init(rngs.params(), (config.vocab_size, config.hidden_size),
+                                            config.weight_dtype))
+        self.layers = nnx.List([DecoderLayer(config, rngs) for _ in range(config.num_hidden_layers)])
+        self.norm = RMSNorm(config.hidden_size, config)
+        if not config.tie_word_embeddings:
+            self.lm_head = Linear(config.hidden_size, config.vocab_size, config, rngs)
+
+    def __call__(self, tokens: jax.Array, positions: jax.Array, attention: AttentionFn,
+                 remat: bool = False) -> jax.Array:
+        """tokens, positions: int32 [B, T] -> final-norm hidden states [B, T, hidden]."""
+        x = self.embed_tokens[...].astype(self.config.compute_dtype)[tokens]
+        for i, layer in enumerate(self.layers):
+            if remat:  # recompute activations in the backward pass: long sequences fit
+                x = jax.checkpoint(lambda x_, p_, l_=layer, i_=i: l_(i_, x_, p_, attention))(x, positions)
+            else:
+                x = layer(i, x, positions, attention)
+        return self.norm(x)
+
+    def unembedding(self) -> jax.Array:
+        """[hidden, V] matrix mapping final hidden states to logits."""
+        if self.config.tie_word_embeddings:
+            return self.embed_tokens[...].T
+        return self.lm_head.kernel[...]
+
+    def logits(self, hidden: jax.Array) -> jax.Array:
+        """hidden [..., hidden] -> float32 logits [..., V]."""
+        w = self.unembedding()
+        return jnp.dot(hidden.astype(self.config.compute_dtype), w.astype(self.config.compute_dtype),
+                       preferred_element_type=jnp.float32)
+
+
+@functools.lru_cache(maxsize=32)
+def _graph(config: Qwen3Config):
+    abstract = nnx.eval_shape(lambda: Qwen3(config, nnx.Rngs(0)))
+    graphdef, state = nnx.split(abstract)
+    return graphdef, state
+
+
+def init_params(config: Qwen3Config, seed: int = 0) -> Params:
+    """Randomly initialised parameters (normal(0.02) weights, unit norms) as a pure dict."""
+    model = Qwen3(config, nnx.Rngs(seed))
+    return nnx.to_pure_dict(nnx.state(model))
+
+
+def param_shapes(config: Qwen3Config) -> Params:
+    """Pure dict of jax.ShapeDtypeStruct describing every parameter."""
+    _, state = _graph(config)
+    return nnx.to_pure_dict(state)
+
+
+def bind(config: Qwen3Config, params: Params) -> Qwen3:
+    """Merge a params pytree into a Qwen3 module (cheap; meant to run inside jit)."""
+    graphdef, abstract = _graph(config)
+    state = jax.tree.map(lambda x: x, abstract)  # fresh copy: replace_by_pure_dict mutates
+    nnx.replace_by_pure_dict(state, params)
+    return nnx.merge(graphdef, state)
