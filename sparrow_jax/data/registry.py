@@ -1,0 +1,98 @@
+"""Task registry: a task name -> how to format its prompts, how to score completions, how to
+generate examples (synthetic tasks only).
+
+Built-ins: ``"pointer_chase"`` (synthetic, cheap in-process verifier) and ``"math"`` (prompts
+from a dataset, math-verify reward; run it through ``RewardPool`` so a pathological answer
+cannot hang training).
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING, Any, Callable
+
+from sparrow_jax.data import rewards
+from sparrow_jax.data.tasks import pointer_chase
+
+if TYPE_CHECKING:
+    from sparrow_jax.models.tokenizer import Tokenizer
+
+PromptFn = Callable[[dict, "Tokenizer"], str]      # (example, tokenizer) -> model input text
+RewardFn = Callable[[str, dict], float]            # (completion, example) -> reward
+GenerateFn = Callable[..., list]                   # (n, seed, **knobs) -> list[example]
+
+
+@dataclasses.dataclass(frozen=True)
+class Task:
+    """``format_prompt(example, tokenizer)`` -> the text to encode; ``reward(completion, example)``
+    -> float; ``generate(n, seed, **knobs)`` or None for dataset-backed tasks.
+    ``use_reward_pool``: run ``reward`` in a ``RewardPool`` (slow / unbounded verifiers)."""
+
+    name: str
+    format_prompt: PromptFn
+    reward: RewardFn
+    generate: GenerateFn | None = None
+    use_reward_pool: bool = False
+    reward_pool_initializer: Callable[[], None] | None = None
+
+
+_TASKS: dict[str, Task] = {}
+
+
+def register_task(name: str, format_prompt: PromptFn, reward: RewardFn, generate: GenerateFn | None = None,
+                  *, use_reward_pool: bool = False, reward_pool_initializer: Callable[[], None] | None = None,
+                  overwrite: bool = False) -> Task:
+    """Register a task under ``name`` (error if taken, unless ``overwrite``)."""
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"register_task: name must be a non-empty str, got {name!r}")
+    if name in _TASKS and not overwrite:
+        raise ValueError(f"register_task: task {name!r} is already registered (pass overwrite=True)")
+    for field, fn in (("format_prompt", format_prompt), ("reward", reward)):
+        if not callable(fn):
+            raise TypeError(f"register_task({name!r}): {field} must be callable, got {type(fn).__name__}")
+    task = Task(name, format_prompt, reward, generate, use_reward_pool, reward_pool_initializer)
+    _TASKS[name] = task
+    return task
+
+
+def get_task(name: str) -> Task:
+    if name not in _TASKS:
+        raise KeyError(f"unknown task {name!r}; known tasks: {sorted(_TASKS)}")
+    return _TASKS[name]
+
+
+def list_tasks() -> list[str]:
+    return sorted(_TASKS)
+
+
+def chat_prompt(content: str, tokenizer: "Tokenizer", **template_kwargs: Any) -> str:
+    """One user message through the tokenizer's chat template, generation prompt added."""
+    return tokenizer.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True,
+                                         **template_kwargs)
+
+
+def pointer_chase_prompt(example: dict, tokenizer: "Tokenizer") -> str:
+    """Builtin tokenizer (no ``chat_template`` attribute): the raw prompt, which tiny models learn
+    from SFT. A real model's tokenizer: an instruction + the prompt, as a chat turn when the
+    tokenizer has a template, as plain text otherwise."""
+    if not hasattr(tokenizer, "chat_template"):
+        return chat_prompt(example["prompt"], tokenizer)
+    text = POINTER_CHASE_INSTRUCTION + example["prompt"]
+    return text if tokenizer.chat_template is None else chat_prompt(text, tokenizer)
+
+
+POINTER_CHASE_INSTRUCTION = (
+    "Each record below is key=value; every value is also a key. Starting at the start key, follow the "
+    "given number of hops: write each hop as n:key=value on its own line, then 'answer: ' and the last "
+    "value.\n\n")
+
+MATH_TEMPLATE = "{problem}\nPlease reason step by step, and put your final answer within \\boxed{{}}."
+
+
+def math_prompt(example: dict, tokenizer: "Tokenizer") -> str:
+    """The problem (``example['prompt']``) with the \\boxed{} instruction, as a user chat turn."""
+    return chat_prompt(MATH_TEMPLATE.format(problem=example["prompt"]), tokenizer)
+
+
+register_task("pointer_chase", pointer_chase_prompt, pointer_chase.score, pointer_chase.generate)
+register_task("math", math_prompt, rewards.math_reward_fn, None, use_reward_pool=True,
+              reward_pool_initializer=rewards.warm_math_verify)
