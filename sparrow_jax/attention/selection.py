@@ -46,7 +46,7 @@ def select_pages(scores: jax.Array, positions: jax.Array, budget: jax.Array, k_m
       positions: absolute position of the querying token, broadcastable (numpy rules, trailing
         alignment) to scores[..., 0]: e.g. [B, 1] for [B, Hkv] scores, [B, 1, T] for [B, Hkv, T].
       budget: top-k pages wanted (excluding reserved ones), broadcastable likewise; clipped to k_max.
-      k_max: static number of top-k slots.
+      k_max: static number of top-k slots (capped at the number of pages).
     Returns:
       page_idx: [..., N] int32 with N = reserved_first + k_max + reserved_last,
       page_valid: [..., N] bool. Invalid slots point at page 0. No page appears twice
@@ -54,6 +54,7 @@ def select_pages(scores: jax.Array, positions: jax.Array, budget: jax.Array, k_m
     """
     num_pages = scores.shape[-1]
     lead = scores.shape[:-1]
+    k_max = min(k_max, num_pages)  # a budget beyond the cache selects every candidate
     cur = jnp.broadcast_to(positions // page_size, lead).astype(jnp.int32)[..., None]
     budget = jnp.broadcast_to(jnp.minimum(budget, k_max), lead)[..., None]
     first = jnp.arange(reserved_first, dtype=jnp.int32)

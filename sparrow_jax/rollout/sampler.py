@@ -1,0 +1,217 @@
+"""Batched dense / block-sparse sampler: prefill, then a jitted ``while_loop`` decode.
+
+Layout of a rollout (right-padded rows, absolute positions from 0):
+
+    tokens[b, :prompt_len[b]]            the prompt
+    tokens[b, prompt_len[b]:length[b]]   sampled tokens (completion_mask True)
+    logprobs[b, t]                       sampler log-prob of tokens[b, t] given tokens[b, :t]
+
+Every sampled token comes from one decode step: prefill writes ``prompt[:-1]`` into the
+cache and the first decode step feeds the last prompt token. In sparse mode each row's
+top-k budget follows its own position (``schedule.topk_at``); the decode loop is split
+into segments with a static ``k_max`` bucket each, so a rollout compiles at most once
+per distinct bucket (and never again for the same shapes).
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+from typing import NamedTuple, Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from sparrow_jax.models.config import Qwen3Config
+from sparrow_jax.models.forward import decode_step, init_caches, prefill
+from sparrow_jax.models.qwen3 import Params
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    """How tokens are drawn. ``temperature=0`` is greedy; ``top_k=0`` / ``top_p=1`` disable truncation."""
+
+    max_new_tokens: int = 256
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    stop_ids: tuple[int, ...] = ()
+
+    def __post_init__(self):
+        if self.max_new_tokens <= 0:
+            raise ValueError(f"SamplingParams.max_new_tokens must be positive, got {self.max_new_tokens}")
+        if self.temperature < 0:
+            raise ValueError(f"SamplingParams.temperature must be >= 0, got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"SamplingParams.top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"SamplingParams.top_k must be >= 0, got {self.top_k}")
+        object.__setattr__(self, "stop_ids", tuple(int(i) for i in self.stop_ids))
+
+
+class Rollout(NamedTuple):
+    tokens: np.ndarray  # int32 [B, T] prompt + completion, right-padded with pad_id
+    prompt_lens: np.ndarray  # int32 [B]
+    lengths: np.ndarray  # int32 [B] prompt + completion
+    completion_mask: np.ndarray  # bool [B, T] True at sampled tokens
+    logprobs: np.ndarray  # float32 [B, T] sampler log-prob of tokens[b, t] (0 elsewhere)
+    finished: np.ndarray  # bool [B] a stop token was sampled
+    stats: dict  # timings: prefill_s, decode_s, decode_tokens, compiles
+
+
+class _LoopState(NamedTuple):
+    step: jax.Array
+    tokens: jax.Array
+    logprobs: jax.Array
+    pos: jax.Array  # [B] position of the token fed at the next step
+    done: jax.Array  # [B]
+    key: jax.Array
+    caches: tuple
+
+
+def sample_logits(logits: jax.Array, key: jax.Array, sampling: SamplingParams):
+    """Draw one token per row. logits float32 [B, V] -> (tokens int32 [B], logprobs float32 [B]).
+
+    The returned log-prob is that of the distribution actually sampled from: logits
+    divided by the temperature, then restricted to the top-k tokens and the top-p nucleus
+    and renormalised over what is left. Greedy (temperature 0) returns the untempered
+    model log-prob of the argmax token.
+    """
+    if sampling.temperature == 0.0:
+        tok = jnp.argmax(logits, axis=-1)
+        logp = jax.nn.log_softmax(logits, axis=-1)
+        return tok.astype(jnp.int32), jnp.take_along_axis(logp, tok[:, None], -1)[:, 0]
+    scaled = logits / sampling.temperature
+    if sampling.top_k:
+        kth = jax.lax.top_k(scaled, sampling.top_k)[0][:, -1:]
+        scaled = jnp.where(scaled >= kth, scaled, -jnp.inf)
+    if sampling.top_p < 1.0:
+        order = jnp.argsort(-scaled, axis=-1)
+        sorted_logits = jnp.take_along_axis(scaled, order, -1)
+        probs = jax.nn.softmax(sorted_logits, axis=-1)
+        before = jnp.cumsum(probs, axis=-1) - probs  # mass strictly above each token
+        keep_sorted = before < sampling.top_p  # the smallest prefix reaching top_p
+        keep = jnp.zeros_like(keep_sorted).at[jnp.arange(scaled.shape[0])[:, None], order].set(keep_sorted)
+        scaled = jnp.where(keep, scaled, -jnp.inf)
+    logp = jax.nn.log_softmax(scaled, axis=-1)
+    tok = jax.random.categorical(key, scaled, axis=-1)
+    return tok.astype(jnp.int32), jnp.take_along_axis(logp, tok[:, None], -1)[:, 0]
+
+
+@functools.partial(jax.jit, static_argnames=("config", "schedule", "k_max", "impl", "sampling"),
+                   donate_argnames=("state",))
+def _decode_segment(state: _LoopState, params: Params, step_limit: jax.Array, max_pos: jax.Array,
+                    end_pos: jax.Array, *, config: Qwen3Config, schedule, k_max: int, impl: str,
+                    sampling: SamplingParams) -> _LoopState:
+    """Run decode steps until ``step_limit`` or every row is done."""
+    rows = jnp.arange(state.tokens.shape[0])
+    stop_ids = jnp.asarray(sampling.stop_ids or (-1,), jnp.int32)
+
+    def cond(s: _LoopState):
+        return (s.step < step_limit) & ~jnp.all(s.done)
+
+    def body(s: _LoopState):
+        key, sub = jax.random.split(s.key)
+        inputs = s.tokens[rows, s.pos]
+        logits, caches = decode_step(config, params, inputs, s.pos, s.caches, schedule=schedule,
+                                     k_max=k_max, impl=impl)
+        tok, logp = sample_logits(logits, sub, sampling)
+        nxt = s.pos + 1
+        write = ~s.done
+        tokens = s.tokens.at[rows, nxt].set(jnp.where(write, tok, s.tokens[rows, nxt]))
+        logprobs = s.logprobs.at[rows, nxt].set(jnp.where(write, logp, s.logprobs[rows, nxt]))
+        stopped = jnp.any(tok[:, None] == stop_ids[None, :], axis=-1)
+        done = s.done | (write & (stopped | (nxt >= end_pos) | (nxt >= max_pos)))
+        pos = jnp.where(write, nxt, s.pos)
+        return _LoopState(s.step + 1, tokens, logprobs, pos, done, key, caches)
+
+    return jax.lax.while_loop(cond, body, state)
+
+
+def _bucket(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+def generate(config: Qwen3Config, params: Params, prompts: Sequence[Sequence[int]], key: jax.Array,
+             sampling: SamplingParams, schedule=None, impl: str = "auto", pad_id: int = 0,
+             max_total_len: Optional[int] = None, length_bucket: int = 128,
+             progress: bool = False, progress_every: int = 256) -> Rollout:
+    """Sample completions for a batch of prompts (lists of token ids, different lengths).
+
+    Args:
+      params: the sampler's params pytree (e.g. ``with_lora(params, lora)`` for the sparse
+        actor); nothing is copied.
+      schedule: ``None`` for dense attention, else a ``SparsitySchedule``.
+      max_total_len: hard cap on prompt + completion tokens per row (default: the model's
+        ``max_position_embeddings``); a prompt that cannot fit raises ``ValueError``.
+      length_bucket: buffer lengths are rounded up to this multiple to bound recompiles.
+      progress: print tokens/s and current length every ``progress_every`` steps.
+    """
+    if not prompts:
+        raise ValueError("generate() needs at least one prompt")
+    prompt_lens = np.array([len(p) for p in prompts], np.int32)
+    if prompt_lens.min() < 1:
+        raise ValueError(f"prompt {int(prompt_lens.argmin())} is empty")
+    cap = max_total_len or config.max_position_embeddings
+    if prompt_lens.max() >= cap:
+        bad = int(prompt_lens.argmax())
+        raise ValueError(f"prompt {bad} has {prompt_lens[bad]} tokens; it cannot fit with at least one new "
+                         f"token under the total length cap of {cap}")
+    batch = len(prompts)
+    page = schedule.page_size if schedule is not None else 16
+    total = min(int(prompt_lens.max()) + sampling.max_new_tokens, cap)
+    buf_len = _bucket(total + 1, max(length_bucket, page))  # +1: a spare slot past the last write
+    tokens = np.full((batch, buf_len), pad_id, np.int32)
+    for b, p in enumerate(prompts):
+        tokens[b, :len(p)] = p
+    prefill_len = _bucket(int(prompt_lens.max()), max(length_bucket, page))
+
+    t0 = time.perf_counter()
+    caches = init_caches(config, batch, buf_len, page_size=page,
+                         with_minmax=schedule is not None and schedule.selector == "quest")
+    caches = prefill(config, params, jnp.asarray(tokens[:, :prefill_len]), jnp.asarray(prompt_lens - 1), caches)
+    jax.block_until_ready(caches)
+    prefill_s = time.perf_counter() - t0
+
+    start = prompt_lens - 1
+    state = _LoopState(step=jnp.zeros((), jnp.int32), tokens=jnp.asarray(tokens),
+                       logprobs=jnp.zeros((batch, buf_len), jnp.float32), pos=jnp.asarray(start),
+                       done=jnp.zeros((batch,), bool), key=key, caches=caches)
+    end_pos = jnp.asarray(np.minimum(prompt_lens + sampling.max_new_tokens - 1, cap - 1), jnp.int32)
+    if schedule is None:
+        segments = [(0, sampling.max_new_tokens, 0)]
+    else:
+        segments = schedule.bucket_segments(start, sampling.max_new_tokens)
+    compiles_before = _decode_segment._cache_size()
+    t1 = time.perf_counter()
+    for first, count, k_max in segments:
+        seg_end = first + count
+        while True:
+            limit = min(seg_end, int(state.step) + (progress_every if progress else count))
+            state = _decode_segment(state, params, jnp.int32(limit), jnp.int32(cap - 1), end_pos,
+                                    config=config, schedule=schedule, k_max=int(k_max), impl=impl,
+                                    sampling=sampling)
+            step = int(state.step)
+            if progress:
+                elapsed = time.perf_counter() - t1
+                print(f"[generate] step {step}/{sampling.max_new_tokens} len {int(jnp.max(state.pos)) + 1} "
+                      f"{batch * step / max(elapsed, 1e-9):.1f} tok/s", flush=True)
+            if step >= seg_end or bool(jnp.all(state.done)):
+                break
+        if bool(jnp.all(state.done)):
+            break
+    jax.block_until_ready(state.tokens)
+    decode_s = time.perf_counter() - t1
+
+    out_tokens = np.asarray(state.tokens)
+    lengths = np.asarray(state.pos) + 1
+    positions = np.arange(buf_len)[None]
+    mask = (positions >= prompt_lens[:, None]) & (positions < lengths[:, None])
+    out_tokens = np.where(positions < lengths[:, None], out_tokens, pad_id).astype(np.int32)
+    last = out_tokens[np.arange(batch), lengths - 1]
+    finished = np.isin(last, sampling.stop_ids) & (lengths > prompt_lens)
+    stats = dict(prefill_s=prefill_s, decode_s=decode_s, decode_steps=int(state.step),
+                 decode_tokens=int(mask.sum()), compiles=_decode_segment._cache_size() - compiles_before)
+    return Rollout(out_tokens, prompt_lens, lengths.astype(np.int32), mask,
+                   np.where(mask, np.asarray(state.logprobs), 0.0).astype(np.float32), finished, stats)
