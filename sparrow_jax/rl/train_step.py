@@ -1,0 +1,154 @@
+"""One compiled RL step: dense scoring, sparse-actor statistics, GRPO+TIS loss, optax update.
+
+Everything a step does runs in a single ``jax.jit`` with the train state donated:
+
+1. dense policy (grad): hidden states -> per-token log-probs and entropy, chunked over the
+   sequence, never holding [B, L, V];
+2. TIS weights ``min(exp(logp_dense_old - logp_sampler), C)`` (on-policy: the old dense
+   policy is the current params, stop-gradient);
+3. GRPO/PPO loss (clip-higher, optional dual clip, aggregation modes), gradients
+   accumulated over micro-batches with ``lax.scan``, optax update;
+4. sparse actor (no grad): teacher-forced sparse hidden states with the sampler's page
+   selection; exact per-token acceptance rate vs the dense policy; p5 and mean per
+   absolute-position bin.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, NamedTuple, Optional
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from sparrow_jax.mismatch.measures import mismatch_stats
+from sparrow_jax.mismatch.scorers import _chunked_over_sequence, _shift, token_logprobs
+from sparrow_jax.mismatch.tail import binned_percentile_jax
+from sparrow_jax.models.config import Qwen3Config
+from sparrow_jax.models.forward import dense_hidden, sparse_hidden, unembedding
+from sparrow_jax.rl.losses import grpo_loss, tis_weights
+
+
+@dataclasses.dataclass(frozen=True)
+class StepOptions:
+    """Static settings of the compiled step (hashable)."""
+
+    clip_low: float = 0.2
+    clip_high: float = 0.28
+    dual_clip: float = 0.0  # 0 disables
+    loss_agg: str = "token-mean"
+    tis_cap: float = 3.0  # 0 disables TIS
+    tis_level: str = "token"
+    entropy_coef: float = 0.0
+    temperature: float = 1.0
+    micro_batches: int = 1
+    remat: bool = False
+    num_bins: int = 8  # position bins reported for alpha statistics
+    bin_width: int = 128
+    seq_chunk: int = 128
+
+
+class TrainState(NamedTuple):
+    step: jax.Array
+    params: Any
+    opt_state: Any
+
+
+class Batch(NamedTuple):
+    tokens: jax.Array  # int32 [B, T]
+    mask: jax.Array  # float32 [B, T] completion tokens
+    logp_sampler: jax.Array  # float32 [B, T]
+    advantages: jax.Array  # float32 [B]
+
+
+def make_optimizer(learning_rate: float, max_grad_norm: float = 1.0) -> optax.GradientTransformation:
+    parts = [optax.clip_by_global_norm(max_grad_norm)] if max_grad_norm > 0 else []
+    return optax.chain(*parts, optax.adam(learning_rate))
+
+
+def init_train_state(params, optimizer: optax.GradientTransformation) -> TrainState:
+    return TrainState(jnp.zeros((), jnp.int32), params, optimizer.init(params))
+
+
+def _policy_loss(params, config: Qwen3Config, mb: Batch, opts: StepOptions):
+    hidden = dense_hidden(config, params, mb.tokens, remat=opts.remat)
+    logp, entropy = token_logprobs(hidden, unembedding(config, params), mb.tokens, opts.temperature,
+                                   seq_chunk=opts.seq_chunk)
+    logp_old = jax.lax.stop_gradient(logp)
+    metrics = {}
+    weights = None
+    if opts.tis_cap > 0:
+        weights, metrics = tis_weights(logp_old, mb.logp_sampler, mb.mask, cap=opts.tis_cap, level=opts.tis_level)
+    loss, loss_metrics = grpo_loss(logp, logp_old, mb.advantages, mb.mask, clip_low=opts.clip_low,
+                                   clip_high=opts.clip_high, dual_clip_c=opts.dual_clip or None,
+                                   is_weights=weights, agg=opts.loss_agg, entropy=entropy,
+                                   entropy_coef=opts.entropy_coef)
+    metrics.update(loss_metrics)
+    return loss, (metrics, jax.lax.stop_gradient(hidden), logp_old)
+
+
+def _alpha_stats(config, params, sparse_params, tokens, mask, hidden_dense, schedule, opts):
+    """Exact per-token acceptance rate of the sparse actor vs the dense policy. -> [B, T]"""
+    h_sparse = sparse_hidden(config, sparse_params, tokens, schedule)
+    w_dense, w_sparse = unembedding(config, params), unembedding(config, sparse_params)
+    t = opts.temperature
+
+    def chunk(hp, hq, tok):
+        s = mismatch_stats(hp / t, hq / t, w_dense, sampled_tokens=tok, unembed_q=w_sparse)
+        return s["alpha"], s["kl"]
+
+    alpha, kl = _chunked_over_sequence(chunk, hidden_dense[:, :-1], jax.lax.stop_gradient(h_sparse[:, :-1]),
+                                       tokens[:, 1:], seq_chunk=opts.seq_chunk)
+    return _shift(alpha), _shift(kl)
+
+
+@functools.partial(jax.jit, static_argnames=("config", "optimizer", "schedule", "opts"), donate_argnums=(0,))
+def train_step(state: TrainState, batch: Batch, sparse_params=None, *, config: Qwen3Config,
+               optimizer: optax.GradientTransformation, schedule=None, opts: StepOptions = StepOptions()):
+    """One RL update. Returns (new_state, metrics dict of scalars).
+
+    ``sparse_params`` are the sparse actor's params (defaults to the policy's); with
+    ``schedule=None`` (dense rollouts) no sparse statistics are computed.
+    """
+    b = batch.tokens.shape[0]
+    n = opts.micro_batches
+    if b % n:
+        raise ValueError(f"batch of {b} rows is not divisible by micro_batches={n}")
+    micro = jax.tree.map(lambda x: x.reshape(n, b // n, *x.shape[1:]), batch)
+    grad_fn = jax.value_and_grad(_policy_loss, has_aux=True)
+
+    def accumulate(grads_acc, mb):
+        (loss, (metrics, hidden, logp)), grads = grad_fn(state.params, config, Batch(*mb), opts)
+        grads_acc = jax.tree.map(lambda a, g: a + g / n, grads_acc, grads)
+        return grads_acc, (loss, metrics, hidden)
+
+    zeros = jax.tree.map(jnp.zeros_like, state.params)
+    grads, (losses, metrics, hidden) = jax.lax.scan(accumulate, zeros, tuple(micro))
+    updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+    params = optax.apply_updates(state.params, updates)
+
+    out = {k: jnp.mean(v) for k, v in metrics.items()}
+    out["loss"] = jnp.mean(losses)
+    out["actor/grad_norm"] = optax.global_norm(grads)
+    if schedule is not None:
+        sp = state.params if sparse_params is None else sparse_params
+        hidden = hidden.reshape(b, *hidden.shape[2:])
+        alpha, kl = _alpha_stats(config, state.params, sp, batch.tokens, batch.mask, hidden, schedule, opts)
+        positions = jnp.broadcast_to(jnp.arange(batch.tokens.shape[1]), batch.tokens.shape)
+        mask = batch.mask > 0
+        p5, counts = binned_percentile_jax(alpha, positions, mask, opts.num_bins, opts.bin_width, 5.0)
+        sums = jax.ops.segment_sum(jnp.where(mask, alpha, 0).reshape(-1),
+                                   jnp.minimum(positions // opts.bin_width, opts.num_bins - 1).reshape(-1),
+                                   opts.num_bins)
+        means = sums / jnp.maximum(counts, 1)
+        for i in range(opts.num_bins):
+            start = i * opts.bin_width
+            out[f"mismatch/alpha_p5/bin_{start}"] = p5[i]
+            out[f"mismatch/alpha_mean/bin_{start}"] = jnp.where(counts[i] > 0, means[i], jnp.nan)
+            out[f"mismatch/count/bin_{start}"] = counts[i]
+        denom = jnp.maximum(mask.sum(), 1)
+        out["mismatch/alpha_mean"] = jnp.sum(jnp.where(mask, alpha, 0)) / denom
+        out["mismatch/alpha_p5"] = binned_percentile_jax(alpha, jnp.zeros_like(positions), mask, 1, 1, 5.0)[0][0]
+        out["mismatch/kl_dense_sparse"] = jnp.sum(jnp.where(mask, kl, 0)) / denom
+    return TrainState(state.step + 1, params, opt_state), out
