@@ -130,7 +130,7 @@ def train_step(state: TrainState, batch: Batch, sparse_params=None, *, config: Q
 
     out = {k: jnp.mean(v) for k, v in metrics.items()}
     out["loss"] = jnp.mean(losses)
-    out["actor/grad_norm"] = optax.global_norm(grads)
+    out["actor/grad_norm"] = optax.tree.norm(grads)
     if schedule is not None:
         sp = state.params if sparse_params is None else sparse_params
         hidden = hidden.reshape(b, *hidden.shape[2:])
