@@ -86,3 +86,32 @@ def test_sigkill_mid_run_then_resume_finishes(tmp_path):
     assert steps == list(range(1, 7))
     report = json.load(open(workdir / "report.json"))
     assert {"reward_start", "reward_end", "p5_by_bin", "tau", "rollout_speedup"} <= set(report)
+
+
+def test_distill_sparse_step_isolates_gradients():
+    import optax
+    from sparrow_jax.models.lora import LoraConfig, init_lora
+    from sparrow_jax.rl.train_step import DistillOptions, LoraState
+
+    config = tiny_config()
+    optimizer, lora_opt = make_optimizer(1e-3), optax.adam(1e-2)
+    params = init_params(config, seed=2)
+    schedule = SparsitySchedule.fixed(1, page_size=8, bin_width=16, dense_layers=(0,))
+    opts = StepOptions(num_bins=3, bin_width=16)
+    lora_cfg = LoraConfig(rank=4)
+    lora = init_lora(params, lora_cfg, jax.random.PRNGKey(0))
+    copy = lambda t: jax.tree.map(lambda x: jnp.array(x, copy=True), t)
+    plain, _ = train_step(init_train_state(copy(params), optimizer), _batch(0), config=config,
+                          optimizer=optimizer, schedule=schedule, opts=opts)
+    for kl in ("exact", "k3"):
+        state, lora_state, metrics = train_step(
+            init_train_state(copy(params), optimizer), _batch(0), None, LoraState(copy(lora), lora_opt.init(lora)),
+            config=config, optimizer=optimizer, schedule=schedule, opts=opts, lora_cfg=lora_cfg,
+            lora_optimizer=lora_opt, distill=DistillOptions(kl=kl, kl_coef=0.1))
+        # the policy update ignores L_LoRA entirely; the adapter moves
+        same = jax.tree.map(lambda a, b: bool(np.array_equal(np.asarray(a), np.asarray(b))), plain.params, state.params)
+        assert all(jax.tree.leaves(same))
+        moved = [not np.array_equal(np.asarray(a), np.asarray(b))
+                 for a, b in zip(jax.tree.leaves(lora), jax.tree.leaves(lora_state.lora))]
+        assert any(moved)
+        assert float(metrics["distill/grad_norm"]) > 0

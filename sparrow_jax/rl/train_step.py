@@ -26,8 +26,9 @@ from sparrow_jax.mismatch.measures import mismatch_stats
 from sparrow_jax.mismatch.scorers import _chunked_over_sequence, _shift, token_logprobs
 from sparrow_jax.mismatch.tail import binned_percentile_jax
 from sparrow_jax.models.config import Qwen3Config
+from sparrow_jax.models.lora import LoraConfig, with_lora
 from sparrow_jax.models.forward import dense_hidden, sparse_hidden, unembedding
-from sparrow_jax.rl.losses import grpo_loss, tis_weights
+from sparrow_jax.rl.losses import agg_loss, grpo_loss, kl_penalty, tis_weights
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,6 +48,20 @@ class StepOptions:
     num_bins: int = 8  # position bins reported for alpha statistics
     bin_width: int = 128
     seq_chunk: int = 128
+
+
+@dataclasses.dataclass(frozen=True)
+class DistillOptions:
+    """DistillSparse (Sparrow Alg. 1): LoRA on the sparse actor only, trained in the same step."""
+
+    kl_coef: float = 1e-3  # lambda of L_LoRA = L_PPO_sparse + lambda * L_KL
+    kl: str = "exact"  # exact: full-vocabulary KL(dense || sparse) per token; k3: estimate on sampled tokens
+    tis_cap: float = 3.0  # TIS cap of the sparse PPO term (0 disables)
+
+
+class LoraState(NamedTuple):
+    lora: Any
+    opt_state: Any
 
 
 class TrainState(NamedTuple):
@@ -103,13 +118,53 @@ def _alpha_stats(config, params, sparse_params, tokens, mask, hidden_dense, sche
     return _shift(alpha), _shift(kl)
 
 
-@functools.partial(jax.jit, static_argnames=("config", "optimizer", "schedule", "opts"), donate_argnums=(0,))
-def train_step(state: TrainState, batch: Batch, sparse_params=None, *, config: Qwen3Config,
-               optimizer: optax.GradientTransformation, schedule=None, opts: StepOptions = StepOptions()):
-    """One RL update. Returns (new_state, metrics dict of scalars).
+def _lora_loss(lora, base_params, config: Qwen3Config, lora_cfg: LoraConfig, batch: Batch, hidden_dense,
+               schedule, opts: StepOptions, distill: DistillOptions):
+    """L_LoRA = L_PPO_sparse + lambda * L_KL; base params enter stop-gradient (frozen theta)."""
+    sparse_params = with_lora(jax.lax.stop_gradient(base_params), lora, lora_cfg)
+    h_sparse = sparse_hidden(config, sparse_params, batch.tokens, schedule, remat=opts.remat)
+    w_dense = jax.lax.stop_gradient(unembedding(config, base_params))
+    w_sparse = unembedding(config, sparse_params)
+    t = opts.temperature
+    logp_sparse, _ = token_logprobs(h_sparse, w_sparse, batch.tokens, t, seq_chunk=opts.seq_chunk)
+    logp_sparse_old = jax.lax.stop_gradient(logp_sparse)
+    weights = None
+    if distill.tis_cap > 0:
+        weights, _ = tis_weights(logp_sparse_old, batch.logp_sampler, batch.mask, cap=distill.tis_cap)
+    ppo, _ = grpo_loss(logp_sparse, logp_sparse_old, batch.advantages, batch.mask, clip_low=opts.clip_low,
+                       clip_high=opts.clip_high, is_weights=weights, agg=opts.loss_agg)
+
+    def chunk(hp, hq, tok):
+        st = mismatch_stats(hp / t, hq / t, w_dense, sampled_tokens=tok, unembed_q=w_sparse)
+        return st["alpha"], st["kl"], st["logp_p_sampled"]
+
+    alpha, kl_exact, logp_dense = _chunked_over_sequence(
+        chunk, jax.lax.stop_gradient(hidden_dense[:, :-1]), h_sparse[:, :-1], batch.tokens[:, 1:],
+        seq_chunk=opts.seq_chunk)
+    alpha, kl_exact, logp_dense = _shift(alpha), _shift(kl_exact), _shift(logp_dense)
+    if distill.kl == "exact":
+        kl_tok = kl_exact
+    else:  # k3 on sampled tokens with r = p_dense / p_sparse, as in the paper's release
+        kl_tok = kl_penalty(logp_sparse, jax.lax.stop_gradient(logp_dense), kind="k3")
+    kl = agg_loss(kl_tok, batch.mask, opts.loss_agg)
+    loss = ppo + distill.kl_coef * kl
+    return loss, ({"distill/loss": loss, "distill/pg_loss": ppo, "distill/kl": kl},
+                  jax.lax.stop_gradient(alpha), jax.lax.stop_gradient(kl_exact))
+
+
+@functools.partial(jax.jit, static_argnames=("config", "optimizer", "schedule", "opts", "lora_cfg",
+                                             "lora_optimizer", "distill"), donate_argnums=(0, 3))
+def train_step(state: TrainState, batch: Batch, sparse_params=None, lora_state: Optional[LoraState] = None, *,
+               config: Qwen3Config, optimizer: optax.GradientTransformation, schedule=None,
+               opts: StepOptions = StepOptions(), lora_cfg: Optional[LoraConfig] = None,
+               lora_optimizer: Optional[optax.GradientTransformation] = None,
+               distill: DistillOptions = DistillOptions()):
+    """One RL update. Returns (new_state, metrics) or, with ``lora_state``, (new_state, new_lora_state, metrics).
 
     ``sparse_params`` are the sparse actor's params (defaults to the policy's); with
-    ``schedule=None`` (dense rollouts) no sparse statistics are computed.
+    ``schedule=None`` (dense rollouts) no sparse statistics are computed. With
+    ``lora_state`` (DistillSparse) the sparse actor is ``with_lora(params, lora)``: the
+    policy gets gradients only from the dense PPO loss, the LoRA only from L_LoRA.
     """
     b = batch.tokens.shape[0]
     n = opts.micro_batches
@@ -131,10 +186,19 @@ def train_step(state: TrainState, batch: Batch, sparse_params=None, *, config: Q
     out = {k: jnp.mean(v) for k, v in metrics.items()}
     out["loss"] = jnp.mean(losses)
     out["actor/grad_norm"] = optax.tree.norm(grads)
+    new_lora_state = None
     if schedule is not None:
-        sp = state.params if sparse_params is None else sparse_params
         hidden = hidden.reshape(b, *hidden.shape[2:])
-        alpha, kl = _alpha_stats(config, state.params, sp, batch.tokens, batch.mask, hidden, schedule, opts)
+        if lora_state is not None:
+            (_, (dmetrics, alpha, kl)), lora_grads = jax.value_and_grad(_lora_loss, has_aux=True)(
+                lora_state.lora, state.params, config, lora_cfg, batch, hidden, schedule, opts, distill)
+            lora_updates, lora_opt = lora_optimizer.update(lora_grads, lora_state.opt_state, lora_state.lora)
+            new_lora_state = LoraState(optax.apply_updates(lora_state.lora, lora_updates), lora_opt)
+            out.update(dmetrics)
+            out["distill/grad_norm"] = optax.tree.norm(lora_grads)
+        else:
+            sp = state.params if sparse_params is None else sparse_params
+            alpha, kl = _alpha_stats(config, state.params, sp, batch.tokens, batch.mask, hidden, schedule, opts)
         positions = jnp.broadcast_to(jnp.arange(batch.tokens.shape[1]), batch.tokens.shape)
         mask = batch.mask > 0
         p5, counts = binned_percentile_jax(alpha, positions, mask, opts.num_bins, opts.bin_width, 5.0)
@@ -151,4 +215,7 @@ def train_step(state: TrainState, batch: Batch, sparse_params=None, *, config: Q
         out["mismatch/alpha_mean"] = jnp.sum(jnp.where(mask, alpha, 0)) / denom
         out["mismatch/alpha_p5"] = binned_percentile_jax(alpha, jnp.zeros_like(positions), mask, 1, 1, 5.0)[0][0]
         out["mismatch/kl_dense_sparse"] = jnp.sum(jnp.where(mask, kl, 0)) / denom
-    return TrainState(state.step + 1, params, opt_state), out
+    new_state = TrainState(state.step + 1, params, opt_state)
+    if lora_state is not None:
+        return new_state, new_lora_state, out
+    return new_state, out
