@@ -25,7 +25,8 @@ def _batch(seed, b=4, t=48, vocab=128):
     mask = np.zeros((b, t), np.float32)
     mask[:, 20:40] = 1
     return Batch(jnp.asarray(rng.randint(0, vocab, (b, t)), jnp.int32), jnp.asarray(mask),
-                 jnp.asarray(-rng.rand(b, t).astype(np.float32) * mask), jnp.asarray(rng.randn(b), jnp.float32))
+                 jnp.asarray(-rng.rand(b, t).astype(np.float32) * mask), jnp.asarray(rng.randn(b), jnp.float32),
+                 jnp.full((b,), 20, jnp.int32))
 
 
 def test_train_step_compiles_once_and_updates_params():

@@ -48,7 +48,7 @@ def select_pages(scores: jax.Array, positions: jax.Array, budget: jax.Array, k_m
       budget: top-k pages wanted (excluding reserved ones), broadcastable likewise; clipped to k_max.
       k_max: static number of top-k slots (capped at the number of pages).
     Returns:
-      page_idx: [..., N] int32 with N = reserved_first + k_max + reserved_last,
+      page_idx: [..., N] int32 with N = reserved_first + min(k_max, P) + reserved_last,
       page_valid: [..., N] bool. Invalid slots point at page 0. No page appears twice
       among valid slots; pages past the token's own page are never selected.
     """

@@ -60,13 +60,15 @@ def token_logprobs(hidden: jax.Array, unembed: jax.Array, tokens: jax.Array, tem
 @functools.partial(jax.jit, static_argnames=("config", "schedule", "temperature", "seq_chunk",
                                              "vocab_chunk", "top_k", "k_max"))
 def score_rollout(config: Qwen3Config, dense_params: Params, sparse_params: Params, tokens: jax.Array,
-                  *, schedule, temperature: float = 1.0, seq_chunk: int = 256, vocab_chunk: int = 8192,
+                  prompt_lens: Optional[jax.Array] = None, *, schedule, temperature: float = 1.0, seq_chunk: int = 256, vocab_chunk: int = 8192,
                   top_k: int = 20, k_max: Optional[int] = None) -> dict[str, jax.Array]:
     """Exact per-token mismatch between the dense policy and the sparse actor on rollouts.
 
     Args:
       dense_params: the policy's params; sparse_params: the sparse actor's (e.g. with LoRA).
       tokens: int32 [B, T] rollouts (positions 0..T-1).
+      prompt_lens: int32 [B] prompt lengths (the sampler's prefill of the prompt is dense);
+        pass them whenever two or more layers are sparse.
       schedule: the SparsitySchedule the sampler used (same selection is reproduced).
       top_k: also compute the paper's top-k approximation of alpha (0 disables it).
     Returns float32 [B, T] arrays: ``alpha``, ``tv``, ``kl`` (KL(dense || sparse)),
@@ -74,7 +76,8 @@ def score_rollout(config: Qwen3Config, dense_params: Params, sparse_params: Para
     ``top_k``, ``alpha_topk``.
     """
     h_dense = dense_hidden(config, dense_params, tokens) / temperature
-    h_sparse = sparse_hidden(config, sparse_params, tokens, schedule, k_max=k_max) / temperature
+    h_sparse = sparse_hidden(config, sparse_params, tokens, schedule, k_max=k_max,
+                             prompt_lens=prompt_lens) / temperature
     w_dense = unembedding(config, dense_params)
     w_sparse = unembedding(config, sparse_params)
 

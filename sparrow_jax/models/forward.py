@@ -52,11 +52,13 @@ def unembedding(config: Qwen3Config, params: Params) -> jax.Array:
     return bind(config, params).unembedding()
 
 
-def sparse_page_mask_fn(k: jax.Array, budget: jax.Array, k_max: int, schedule):
+def sparse_page_mask_fn(k: jax.Array, budget: jax.Array, k_max: int, schedule,
+                        dense_before: Optional[jax.Array] = None):
     """Per-query allowed pages reproducing the sampler's selection in one teacher-forced pass.
 
     k: [B, T, Hkv, D] keys of the layer (post RoPE); budget: int32 [B, T] top-k pages
-    wanted at each query position. Page metadata is recomputed from ``k``; candidate pages
+    wanted at each query position; dense_before: int32 [B], queries at positions below it
+    see every page (the sampler's prompt prefill is dense). Page metadata is recomputed from ``k``; candidate pages
     are complete before every query that may pick them (reserved_last >= 1), so their
     metadata equals what the sampler's cache held at that step.
     """
@@ -84,17 +86,23 @@ def sparse_page_mask_fn(k: jax.Array, budget: jax.Array, k_max: int, schedule):
         chunk_budget = jax.lax.dynamic_slice_in_dim(budget_p, start, c, axis=1)
         idx, valid = select_pages(scores, q_pos[None, None, :], chunk_budget[:, None, :], k_max, s,
                                   schedule.reserved_first, schedule.reserved_last)
-        return selected_page_mask(idx, valid, pages)
+        allowed = selected_page_mask(idx, valid, pages)
+        if dense_before is not None:
+            allowed = allowed | (q_pos[None, :] < dense_before[:, None])[:, None, :, None]
+        return allowed
 
     return page_mask
 
 
 def sparse_hidden(config: Qwen3Config, params: Params, tokens: jax.Array, schedule,
-                  k_max: Optional[int] = None, chunk: int = 256, remat: bool = False) -> jax.Array:
+                  k_max: Optional[int] = None, chunk: int = 256, remat: bool = False,
+                  prompt_lens: Optional[jax.Array] = None) -> jax.Array:
     """Teacher-forced hidden states under the sparse actor's attention. -> [B, L, hidden].
 
     Position t uses the pages the sparse sampler selects when decoding the token at t
     (budget ``schedule.topk_at(t)``); layers in ``schedule.dense_layers`` stay dense.
+    ``prompt_lens`` [B]: the sampler prefills ``prompt[:-1]`` densely, so positions below
+    ``prompt_lens - 1`` attend to every page (needed once two or more layers are sparse).
     """
     b, t = tokens.shape
     positions = _positions(tokens)
@@ -107,7 +115,8 @@ def sparse_hidden(config: Qwen3Config, params: Params, tokens: jax.Array, schedu
     def attention(layer, q, k, v):
         if layer in dense_layers:
             return causal_attention(q, k, v, chunk=chunk)
-        mask_fn = sparse_page_mask_fn(jax.lax.stop_gradient(k), budget, k_max, schedule)
+        dense_before = None if prompt_lens is None else prompt_lens - 1
+        mask_fn = sparse_page_mask_fn(jax.lax.stop_gradient(k), budget, k_max, schedule, dense_before)
         return causal_attention(q, k, v, chunk=chunk, page_mask_fn=mask_fn, page_size=schedule.page_size)
 
     return model(tokens, positions, attention, remat=remat)

@@ -75,6 +75,7 @@ class Batch(NamedTuple):
     mask: jax.Array  # float32 [B, T] completion tokens
     logp_sampler: jax.Array  # float32 [B, T]
     advantages: jax.Array  # float32 [B]
+    prompt_lens: jax.Array  # int32 [B] (the sampler's prompt prefill is dense)
 
 
 def make_optimizer(learning_rate: float, max_grad_norm: float = 1.0) -> optax.GradientTransformation:
@@ -103,9 +104,9 @@ def _policy_loss(params, config: Qwen3Config, mb: Batch, opts: StepOptions):
     return loss, (metrics, jax.lax.stop_gradient(hidden), logp_old)
 
 
-def _alpha_stats(config, params, sparse_params, tokens, mask, hidden_dense, schedule, opts):
+def _alpha_stats(config, params, sparse_params, tokens, prompt_lens, hidden_dense, schedule, opts):
     """Exact per-token acceptance rate of the sparse actor vs the dense policy. -> [B, T]"""
-    h_sparse = sparse_hidden(config, sparse_params, tokens, schedule)
+    h_sparse = sparse_hidden(config, sparse_params, tokens, schedule, prompt_lens=prompt_lens)
     w_dense, w_sparse = unembedding(config, params), unembedding(config, sparse_params)
     t = opts.temperature
 
@@ -122,7 +123,8 @@ def _lora_loss(lora, base_params, config: Qwen3Config, lora_cfg: LoraConfig, bat
                schedule, opts: StepOptions, distill: DistillOptions):
     """L_LoRA = L_PPO_sparse + lambda * L_KL; base params enter stop-gradient (frozen theta)."""
     sparse_params = with_lora(jax.lax.stop_gradient(base_params), lora, lora_cfg)
-    h_sparse = sparse_hidden(config, sparse_params, batch.tokens, schedule, remat=opts.remat)
+    h_sparse = sparse_hidden(config, sparse_params, batch.tokens, schedule, remat=opts.remat,
+                             prompt_lens=batch.prompt_lens)
     w_dense = jax.lax.stop_gradient(unembedding(config, base_params))
     w_sparse = unembedding(config, sparse_params)
     t = opts.temperature
@@ -198,7 +200,7 @@ def train_step(state: TrainState, batch: Batch, sparse_params=None, lora_state: 
             out["distill/grad_norm"] = optax.tree.norm(lora_grads)
         else:
             sp = state.params if sparse_params is None else sparse_params
-            alpha, kl = _alpha_stats(config, state.params, sp, batch.tokens, batch.mask, hidden, schedule, opts)
+            alpha, kl = _alpha_stats(config, state.params, sp, batch.tokens, batch.prompt_lens, hidden, schedule, opts)
         positions = jnp.broadcast_to(jnp.arange(batch.tokens.shape[1]), batch.tokens.shape)
         mask = batch.mask > 0
         p5, counts = binned_percentile_jax(alpha, positions, mask, opts.num_bins, opts.bin_width, 5.0)

@@ -169,7 +169,8 @@ def train(cfg: ConfigDict, schedule: Optional[SparsitySchedule] = None, progress
         gen_s = time.perf_counter() - t0
         adv = group_advantages(jnp.asarray(rewards), cfg.rollout.group_size, mode=cfg.train.adv_mode)
         tokens, mask, logp = _pad_batch(rollout)
-        batch = Batch(jnp.asarray(tokens), jnp.asarray(mask), jnp.asarray(logp), adv)
+        batch = Batch(jnp.asarray(tokens), jnp.asarray(mask), jnp.asarray(logp), adv,
+                      jnp.asarray(rollout.prompt_lens))
         t1 = time.perf_counter()
         state, m = train_step(state, batch, config=config, optimizer=optimizer, schedule=schedule, opts=opts)
         metrics = {k: float(v) for k, v in m.items()}
