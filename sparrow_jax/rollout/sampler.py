@@ -140,7 +140,7 @@ def generate(config: Qwen3Config, params: Params, prompts: Sequence[Sequence[int
     """Sample completions for a batch of prompts (lists of token ids, different lengths).
 
     Args:
-      params: the sampler's params pytree (e.g. ``with_lora(params, lora)`` for the sparse
+      params: the sampler's params pytree (e.g. ``with_lora(params, lora, lora_cfg)`` for the sparse
         actor); nothing is copied.
       schedule: ``None`` for dense attention, else a ``SparsitySchedule``.
       max_total_len: hard cap on prompt + completion tokens per row (default: the model's
