@@ -1,0 +1,215 @@
+"""Block-sparse decode kernels (Pallas TPU / GPU in interpret mode, fast XLA) vs references.
+
+Each implementation is checked against ``sparse_decode_reference`` and against an
+independent numpy brute force written here. Shapes are tiny (interpret mode is slow) and
+chosen so one jit compile per (kernel, config) serves several tests.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels import sparse_decode_gpu, sparse_decode_tpu, sparse_decode_triton, triton_available
+from sparrow_jax.attention import dense_decode, select_pages, sparse_decode, sparse_decode_reference
+from sparrow_jax.attention.fast_xla import sparse_decode_xla_fast
+
+PAGES, PAGE, DIM, K_MAX = 7, 4, 8, 4  # k_max 4 = every candidate page (1..cur-2) when cur <= 6
+N_SLOTS = 1 + K_MAX + 2
+POSITIONS = np.array([27, 10, 0], np.int32)  # ragged: full cache, mid page, very first token
+# (name, query heads, kv heads): GQA ratio 4 and ratio 1.
+CONFIGS = {"gqa4": (8, 2), "gqa1": (2, 2)}
+# Pages per block: the default for gqa4 (one block for TPU, 2 with padding for GPU) and 2 for
+# gqa1 (several double-buffered TPU blocks, N=7 padded to 8).
+PPB = {"gqa4": {}, "gqa1": {"pages_per_block": 2}}
+
+
+def _impl(name: str, config: str):
+    if name == "pallas_tpu":
+        return functools.partial(sparse_decode_tpu, interpret=True, **PPB[config])
+    if name == "pallas_gpu":
+        return functools.partial(sparse_decode_gpu, interpret=True, **PPB[config])
+    return sparse_decode_xla_fast
+
+
+IMPLS = ["pallas_tpu", "pallas_gpu", "fast_xla"]
+
+
+def _inputs(config: str, seed: int):
+    heads, kv_heads = CONFIGS[config]
+    rng = np.random.default_rng(seed)
+    b = len(POSITIONS)
+    q = rng.standard_normal((b, heads, DIM), dtype=np.float32)
+    k = rng.standard_normal((b, kv_heads, PAGES, PAGE, DIM), dtype=np.float32)
+    v = rng.standard_normal((b, kv_heads, PAGES, PAGE, DIM), dtype=np.float32)
+    return q, k, v
+
+
+def _select(config: str, budget, seed: int, drop: float = 0.0):
+    """select_pages on random scores; optionally invalidate a random part of the top-k slots."""
+    _, kv_heads = CONFIGS[config]
+    rng = np.random.default_rng(seed + 1)
+    scores = rng.standard_normal((len(POSITIONS), kv_heads, PAGES)).astype(np.float32)
+    idx, valid = select_pages(jnp.asarray(scores), jnp.asarray(POSITIONS)[:, None],
+                              jnp.asarray(budget)[:, None], K_MAX, PAGE)
+    valid = np.array(valid)
+    drop_mask = rng.random(valid.shape) < drop
+    drop_mask[..., 0] = False
+    drop_mask[..., -2:] = False  # keep the reserved pages: the current page stays visible
+    valid &= ~drop_mask
+    return np.array(idx), valid
+
+
+def _numpy_reference(q, k, v, page_idx, page_valid, positions, scale=None):
+    """Brute force: softmax over the distinct valid in-range pages' tokens at <= position."""
+    b, heads, dim = q.shape
+    _, kv_heads, pages, page_size, _ = k.shape
+    group = heads // kv_heads
+    scale = dim ** -0.5 if scale is None else scale
+    out = np.zeros(q.shape, np.float64)
+    for bi in range(b):
+        for h in range(heads):
+            kh = h // group
+            chosen = {int(p) for p, ok in zip(page_idx[bi, kh], page_valid[bi, kh]) if ok and 0 <= p < pages}
+            toks = [(p, s) for p in sorted(chosen) for s in range(page_size) if p * page_size + s <= positions[bi]]
+            keys = np.array([k[bi, kh, p, s] for p, s in toks], np.float64)
+            vals = np.array([v[bi, kh, p, s] for p, s in toks], np.float64)
+            logits = keys @ q[bi, h].astype(np.float64) * scale
+            w = np.exp(logits - logits.max())
+            out[bi, h] = (w / w.sum()) @ vals
+    return out
+
+
+@pytest.mark.parametrize("config", sorted(CONFIGS))
+@pytest.mark.parametrize("impl", IMPLS)
+def test_matches_references_small_budgets(impl, config):
+    q, k, v = _inputs(config, seed=0)
+    idx, valid = _select(config, budget=np.array([2, 1, 3]), seed=0, drop=0.3)
+    assert (~valid).any() and valid.sum() > 0  # the case really has invalid slots
+    got = np.asarray(_impl(impl, config)(q, k, v, idx, valid, POSITIONS))
+    ref = np.asarray(sparse_decode_reference(q, k, v, idx, valid, POSITIONS))
+    np.testing.assert_allclose(got, ref, atol=1e-5, rtol=0)
+    np.testing.assert_allclose(got, _numpy_reference(q, k, v, idx, valid, POSITIONS), atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("config", sorted(CONFIGS))
+@pytest.mark.parametrize("impl", IMPLS)
+def test_full_budget_equals_dense(impl, config):
+    q, k, v = _inputs(config, seed=1)
+    idx, valid = _select(config, budget=np.full(3, K_MAX), seed=1)
+    got = np.asarray(_impl(impl, config)(q, k, v, idx, valid, POSITIONS))
+    np.testing.assert_allclose(got, np.asarray(dense_decode(q, k, v, POSITIONS)), atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_bfloat16_cache(impl):
+    """bf16 q/k/v: products in bf16 with f32 accumulation; output in bf16 close to f64 math."""
+    config = "gqa4"
+    q, k, v = (jnp.asarray(x, jnp.bfloat16) for x in _inputs(config, seed=8))
+    idx, valid = _select(config, budget=np.array([3, 2, 1]), seed=8)
+    got = _impl(impl, config)(q, k, v, idx, valid, POSITIONS)
+    assert got.dtype == jnp.bfloat16
+    f32 = lambda x: np.asarray(x, np.float32)
+    want = _numpy_reference(f32(q), f32(k), f32(v), idx, valid, POSITIONS)
+    np.testing.assert_allclose(f32(got), want, atol=2e-2, rtol=0)
+    ref = sparse_decode_reference(q, k, v, idx, valid, POSITIONS)
+    np.testing.assert_allclose(f32(got), f32(ref), atol=2e-2, rtol=0)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_arbitrary_selection_masks_future_and_out_of_range(impl):
+    """Unsorted slots, a page entirely after the position listed first, an out-of-range
+    valid index (ignored, as in the reference), and invalid slots naming real pages."""
+    config = "gqa4"
+    q, k, v = _inputs(config, seed=2)
+    # Rows decode at positions 27 (page 6), 10 (page 2), 0 (page 0).
+    row_idx = [[6, 5, 1, 3, 99, 0, 2], [5, 2, 0, 1, 4, -1, 6], [3, 0, 6, 1, 2, 4, 5]]
+    row_ok = [[1, 1, 0, 1, 1, 1, 0], [1, 1, 1, 0, 0, 1, 1], [1, 1, 0, 1, 0, 0, 0]]
+    idx = np.broadcast_to(np.array(row_idx, np.int32)[:, None], (3, 2, N_SLOTS)).copy()
+    valid = np.broadcast_to(np.array(row_ok, bool)[:, None], (3, 2, N_SLOTS)).copy()
+    idx[:, 1] = idx[:, 1, ::-1]  # the other KV head sees the same pages in reverse order
+    valid[:, 1] = valid[:, 1, ::-1]
+    got = np.asarray(_impl(impl, config)(q, k, v, idx, valid, POSITIONS))
+    want = _numpy_reference(q, k, v, idx, valid, POSITIONS)
+    np.testing.assert_allclose(got, want, atol=1e-5, rtol=0)
+    ref = np.asarray(sparse_decode_reference(q, k, v, idx, valid, POSITIONS))
+    np.testing.assert_allclose(got, ref, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("impl", ["pallas_tpu", "pallas_gpu"])
+def test_dispatch_from_decode_uses_interpreted_kernel(impl):
+    """decode.sparse_decode(impl=...) on CPU runs the kernel in interpret mode."""
+    config = "gqa4"
+    q, k, v = _inputs(config, seed=3)
+    idx, valid = _select(config, budget=np.array([1, 2, 0]), seed=3)
+    got = np.asarray(sparse_decode(q, k, v, idx, valid, POSITIONS, impl=impl))
+    np.testing.assert_allclose(got, _numpy_reference(q, k, v, idx, valid, POSITIONS), atol=1e-5, rtol=0)
+
+
+def test_tpu_kernel_double_buffering_has_no_dma_races():
+    try:
+        from jax.experimental.pallas import tpu as pltpu
+        from jax._src.pallas.mosaic.interpret import interpret_pallas_call as tpu_interp
+    except ImportError:
+        pytest.skip("this jax has no TPU interpreter with race detection")
+    config = "gqa1"
+    q, k, v = _inputs(config, seed=4)
+    idx, valid = _select(config, budget=np.array([4, 1, 2]), seed=4)
+    params = pltpu.InterpretParams(detect_races=True, dma_execution_mode="eager")
+    got = np.asarray(sparse_decode_tpu(q, k, v, idx, valid, POSITIONS, interpret=params, pages_per_block=2))
+    assert tpu_interp.races is not None and not tpu_interp.races.races_found
+    np.testing.assert_allclose(got, _numpy_reference(q, k, v, idx, valid, POSITIONS), atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("kernel", [sparse_decode_tpu, sparse_decode_gpu, sparse_decode_triton])
+def test_bad_inputs_name_the_tensor(kernel):
+    q, k, v = _inputs("gqa4", seed=5)
+    idx, valid = _select("gqa4", budget=np.array([1, 1, 1]), seed=5)
+    if kernel is sparse_decode_triton:
+        pytest.importorskip("jax_triton")
+    with pytest.raises(ValueError, match="v_pages"):
+        kernel(q, k, v[:, :, :-1], idx, valid, POSITIONS)
+    with pytest.raises(ValueError, match="page_valid"):
+        kernel(q, k, v, idx, valid[..., :-1], POSITIONS)
+    with pytest.raises(ValueError, match="positions"):
+        kernel(q, k, v, idx, valid, POSITIONS[:2])
+    with pytest.raises(ValueError, match="multiple of KV heads"):
+        kernel(q[:, :3], k, v, idx, valid, POSITIONS)
+
+
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_gpu_kernel_split_k_merge(num_splits):
+    """1 split (no merge) and 3 uneven splits, some of them empty for small budgets."""
+    config = "gqa1"
+    q, k, v = _inputs(config, seed=9)
+    idx, valid = _select(config, budget=np.array([4, 0, 1]), seed=9)
+    got = sparse_decode_gpu(q, k, v, idx, valid, POSITIONS, interpret=True, pages_per_block=2,
+                            num_splits=num_splits)
+    np.testing.assert_allclose(np.asarray(got), _numpy_reference(q, k, v, idx, valid, POSITIONS),
+                               atol=1e-5, rtol=0)
+    with pytest.raises(ValueError, match="num_splits"):
+        sparse_decode_gpu(q, k, v, idx, valid, POSITIONS, interpret=True, pages_per_block=2, num_splits=5)
+
+
+def test_gpu_kernel_rejects_non_power_of_two_block():
+    q, k, v = _inputs("gqa4", seed=6)
+    idx, valid = _select("gqa4", budget=np.array([1, 1, 1]), seed=6)
+    with pytest.raises(ValueError, match="pages_per_block"):
+        sparse_decode_gpu(q, k, v, idx, valid, POSITIONS, interpret=True, pages_per_block=3)
+
+
+def test_triton_path_is_guarded():
+    available = triton_available()  # must never raise
+    assert isinstance(available, bool)
+    if jax.default_backend() != "gpu":
+        assert available is False
+    try:
+        import jax_triton  # noqa: F401
+    except ImportError:
+        q, k, v = _inputs("gqa4", seed=7)
+        idx, valid = _select("gqa4", budget=np.array([1, 1, 1]), seed=7)
+        with pytest.raises(RuntimeError, match="jax-triton"):
+            sparse_decode_triton(q, k, v, idx, valid, POSITIONS)
