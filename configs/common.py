@@ -93,6 +93,22 @@ def train_config() -> ConfigDict:
     ))
 
 
+def distill_config() -> ConfigDict:
+    return ConfigDict(dict(
+        enabled=False,  # DistillSparse: train a LoRA used only by the sparse actor
+        rank=8,  # LoRA rank
+        alpha=16.0,  # LoRA alpha (scale alpha / rank)
+        targets=("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"),  # adapted layers
+        learning_rate=1e-4,  # Adam learning rate of the LoRA (its own optimiser)
+        kl_coef=1e-3,  # lambda in L_LoRA = L_PPO_sparse + lambda * L_KL
+        kl="exact",  # exact (full-vocabulary KL(dense||sparse)) | k3 (sampled-token estimate, the paper's)
+        tis_cap=3.0,  # TIS cap of the sparse PPO term (0 disables)
+        switch_topk=0,  # phase 2: a more aggressive fixed top-k to switch to (0: never switch)
+        switch_every=0,  # steps between checks of the LoRA-aided p5 under switch_topk (0: never)
+        compare_without=True,  # also run the same RL without LoRA for the report's reward comparison
+    ))
+
+
 def base_config() -> ConfigDict:
     c = ConfigDict()
     c.workdir = "runs/default"  # every output goes under here
@@ -109,5 +125,6 @@ def base_config() -> ConfigDict:
     c.rollout = rollout_config()
     c.calibration = calibration_config()
     c.train = train_config()
+    c.distill = distill_config()
     c.mesh = ConfigDict(dict(data=1, fsdp=1, tensor=1))  # device mesh; product = device count
     return c

@@ -13,9 +13,10 @@ from typing import Any, Optional
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 from ml_collections import ConfigDict
 
-from sparrow_jax.config_schema import validate
+from sparrow_jax.config_schema import ConfigError, validate
 from sparrow_jax.data.datasets import PromptIterator, load_prompt_dataset
 from sparrow_jax.data.registry import get_task
 from sparrow_jax.io import atomic_write_json
@@ -24,7 +25,9 @@ from sparrow_jax.io.metrics import MetricWriter, ProgressBar
 from sparrow_jax.models import Qwen3Config, init_params, load_hf
 from sparrow_jax.models.tokenizer import load_tokenizer
 from sparrow_jax.rl.advantages import group_advantages
-from sparrow_jax.rl.train_step import Batch, StepOptions, init_train_state, make_optimizer, train_step
+from sparrow_jax.models.lora import LoraConfig, init_lora, with_lora
+from sparrow_jax.rl.train_step import (Batch, DistillOptions, LoraState, StepOptions, init_train_state, make_optimizer,
+                                       train_step)
 from sparrow_jax.rollout import SamplingParams, SparsitySchedule, generate
 
 
@@ -121,6 +124,32 @@ def evaluate(worker: RolloutWorker, params, examples: list[dict], k: int, key) -
     return {f"eval/mean@{k}": float(r.mean()), f"eval/pass@{k}": float((r.max(axis=1) > 0).mean())}
 
 
+class Distiller:
+    """DistillSparse state and settings: a LoRA used only by the sparse actor (Sparrow Alg. 1)."""
+
+    def __init__(self, cfg: ConfigDict, params):
+        d = cfg.distill
+        self.lora_cfg = LoraConfig(rank=d.rank, alpha=d.alpha, targets=tuple(d.targets))
+        self.optimizer = optax.adam(d.learning_rate)
+        lora = init_lora(params, self.lora_cfg, jax.random.PRNGKey(cfg.seed + 7))
+        self.state = LoraState(lora, self.optimizer.init(lora))
+        self.options = DistillOptions(kl_coef=d.kl_coef, kl=d.kl, tis_cap=d.tis_cap)
+        self._merge = jax.jit(with_lora, static_argnums=2)
+        self.switched = False
+
+    def actor_params(self, params):
+        """The sparse actor's effective params: base + merged LoRA (the dense policy never sees it)."""
+        return self._merge(params, self.state.lora, self.lora_cfg)
+
+
+def actor_tail(worker: "RolloutWorker", config, params, actor_params, examples, schedule, tau, key) -> dict:
+    """Per-bin p5 of the sparse actor (``actor_params``) vs the dense policy on ``examples``."""
+    from sparrow_jax.mismatch.calibrate import validate as validate_schedule  # deferred: heavy
+    prompts = [worker.encode(e) for e in examples]
+    return validate_schedule(config, params, prompts, schedule, worker.sampling, 2, key, tau=tau,
+                             pad_id=worker.tok.pad_id, sparse_params=actor_params)
+
+
 def _pad_batch(rollout, length_bucket: int = 64):
     t = int(rollout.lengths.max())
     t = -(-t // length_bucket) * length_bucket
@@ -148,13 +177,26 @@ def train(cfg: ConfigDict, schedule: Optional[SparsitySchedule] = None, progress
     state = init_train_state(params, optimizer)
     data = PromptIterator(train_rows, cfg.rollout.prompts_per_step, seed=cfg.seed)
     ckpt = CheckpointManager(os.path.join(workdir, "checkpoints"), max_to_keep=cfg.keep_checkpoints)
+    distiller = None
+    if cfg.distill.enabled:
+        if schedule is None:
+            raise ConfigError("config field distill.enabled needs sparse rollouts (schedule.kind != 'dense')")
+        distiller = Distiller(cfg, params)
     start = 0
     if ckpt.latest_step() is not None:
-        restored = ckpt.restore(target={"params": state.params, "opt_state": state.opt_state})
+        target = {"params": state.params, "opt_state": state.opt_state}
+        if distiller is not None:
+            target.update(lora=distiller.state.lora, lora_opt_state=distiller.state.opt_state)
+        restored = ckpt.restore(target=target)
         meta = restored["meta"]
         start = int(meta["step"])
         state = state._replace(step=jnp.int32(start), params=restored["params"], opt_state=restored["opt_state"])
         data.restore(meta["data"])
+        if distiller is not None:
+            distiller.state = LoraState(restored["lora"], restored["lora_opt_state"])
+            if meta.get("distill_switched"):
+                schedule = SparsitySchedule.fixed(cfg.distill.switch_topk, **_schedule_fields(schedule))
+                worker.schedule, distiller.switched = schedule, True
         print(f"[train] resumed from checkpoint at step {start}", flush=True)
     writer = MetricWriter(workdir, resume_step=start)
     bar = ProgressBar(total=cfg.steps, initial=start, desc="rl", disable=not progress)
@@ -165,15 +207,22 @@ def train(cfg: ConfigDict, schedule: Optional[SparsitySchedule] = None, progress
     for step in range(start, cfg.steps):
         key = jax.random.fold_in(root_key, step)
         t0 = time.perf_counter()
-        rollout, rewards = worker.sample(state.params, next(data), key, repeats=cfg.rollout.group_size)
+        actor = distiller.actor_params(state.params) if distiller is not None else state.params
+        rollout, rewards = worker.sample(actor, next(data), key, repeats=cfg.rollout.group_size)
         gen_s = time.perf_counter() - t0
         adv = group_advantages(jnp.asarray(rewards), cfg.rollout.group_size, mode=cfg.train.adv_mode)
         tokens, mask, logp = _pad_batch(rollout)
         batch = Batch(jnp.asarray(tokens), jnp.asarray(mask), jnp.asarray(logp), adv,
                       jnp.asarray(rollout.prompt_lens))
         t1 = time.perf_counter()
-        state, m = train_step(state, batch, config=config, optimizer=optimizer, schedule=schedule, opts=opts)
-        metrics = {k: float(v) for k, v in m.items()}
+        if distiller is None:
+            state, m = train_step(state, batch, config=config, optimizer=optimizer, schedule=schedule, opts=opts)
+        else:
+            state, distiller.state, m = train_step(
+                state, batch, None, distiller.state, config=config, optimizer=optimizer, schedule=schedule,
+                opts=opts, lora_cfg=distiller.lora_cfg, lora_optimizer=distiller.optimizer,
+                distill=distiller.options)
+        metrics = {k: float(v) for k, v in m.items() if np.isfinite(float(v)) or "/bin_" not in k}  # empty bins: omit
         train_s = time.perf_counter() - t1
         comp_len = rollout.completion_mask.sum(axis=1)
         metrics.update({
@@ -182,17 +231,42 @@ def train(cfg: ConfigDict, schedule: Optional[SparsitySchedule] = None, progress
             "rollout/tokens_per_s": float(rollout.stats["decode_tokens"] / max(rollout.stats["decode_s"], 1e-9)),
             "timing_s/gen": gen_s, "timing_s/update_actor": train_s,
         })
+        if distiller is not None and _switch_due(cfg, distiller, step):
+            aggressive = SparsitySchedule.fixed(cfg.distill.switch_topk, **_schedule_fields(schedule))
+            tail = actor_tail(worker, config, state.params, distiller.actor_params(state.params), eval_rows,
+                              aggressive, cfg.calibration.tau, jax.random.fold_in(key, 2))
+            metrics["distill/p5_under_switch_schedule"] = tail["min_p5"]
+            if tail["min_p5"] >= cfg.calibration.tau:  # the paper's phase 2: LoRA lets sparsity go further
+                schedule, worker.schedule, distiller.switched = aggressive, aggressive, True
+                print(f"[train] step {step + 1}: switched to top-k {cfg.distill.switch_topk} "
+                      f"(LoRA-aided min p5 {tail['min_p5']:.3f} >= tau)", flush=True)
+        if distiller is not None:
+            metrics["distill/switched"] = float(distiller.switched)
         if cfg.eval_every and (step + 1) % cfg.eval_every == 0:
             metrics.update(evaluate(worker, state.params, eval_rows, cfg.eval_k, jax.random.fold_in(key, 1)))
         writer.write(step + 1, metrics)
         history.append({"step": step + 1, **metrics})
         bar.update(step + 1, reward=metrics["reward_mean"], tok_s=metrics["rollout/tokens_per_s"])
         if (step + 1) % cfg.checkpoint_every == 0 or step + 1 == cfg.steps:
-            ckpt.save(step + 1, {"params": state.params, "opt_state": state.opt_state,
-                                 "meta": {"step": step + 1, "seed": cfg.seed, "data": data.state(),
-                                          "schedule": schedule.to_dict() if schedule is not None else None}})
+            saved = {"params": state.params, "opt_state": state.opt_state,
+                     "meta": {"step": step + 1, "seed": cfg.seed, "data": data.state(),
+                              "schedule": schedule.to_dict() if schedule is not None else None,
+                              "distill_switched": bool(distiller and distiller.switched)}}
+            if distiller is not None:
+                saved.update(lora=distiller.state.lora, lora_opt_state=distiller.state.opt_state)
+            ckpt.save(step + 1, saved)
     bar.close()
     writer.close()
     final_eval = evaluate(worker, state.params, eval_rows, cfg.eval_k, jax.random.fold_in(root_key, 10**6))
     return {"history": history, "final_eval": final_eval, "params": state.params, "config": config,
-            "schedule": schedule, "worker": worker, "eval_rows": eval_rows}
+            "schedule": schedule, "worker": worker, "eval_rows": eval_rows, "distiller": distiller}
+
+
+def _schedule_fields(schedule: SparsitySchedule) -> dict:
+    return dict(page_size=schedule.page_size, bin_width=schedule.bin_width, reserved_first=schedule.reserved_first,
+                reserved_last=schedule.reserved_last, dense_layers=schedule.dense_layers, selector=schedule.selector)
+
+
+def _switch_due(cfg: ConfigDict, distiller: Distiller, step: int) -> bool:
+    d = cfg.distill
+    return bool(d.switch_topk and d.switch_every and not distiller.switched and (step + 1) % d.switch_every == 0)

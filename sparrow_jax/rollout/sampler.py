@@ -177,7 +177,8 @@ def generate(config: Qwen3Config, params: Params, prompts: Sequence[Sequence[int
     start = prompt_lens - 1
     state = _LoopState(step=jnp.zeros((), jnp.int32), tokens=jnp.asarray(tokens),
                        logprobs=jnp.zeros((batch, buf_len), jnp.float32), pos=jnp.asarray(start),
-                       done=jnp.zeros((batch,), bool), key=key, caches=caches)
+                       done=jnp.zeros((batch,), bool), key=jnp.array(key, copy=True),  # the loop state is donated
+                       caches=caches)
     end_pos = jnp.asarray(np.minimum(prompt_lens + sampling.max_new_tokens - 1, cap - 1), jnp.int32)
     if schedule is None:
         segments = [(0, sampling.max_new_tokens, 0)]
