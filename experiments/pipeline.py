@@ -44,6 +44,52 @@ def measure_rollout_speedup(result: dict, num_prompts: int = 4) -> dict:
             "sparse_tok_s": timings["sparse"]}
 
 
+def _tail_on_heldout(cfg: ConfigDict, result_or_none, schedule, actor_params=None) -> dict:
+    """Per-bin p5 of the sparse actor on the run's held-out prompts (before: initial model)."""
+    from sparrow_jax.data.registry import get_task
+    from sparrow_jax.models.tokenizer import load_tokenizer
+    from sparrow_jax.rl.trainer import RolloutWorker, actor_tail, build_examples, build_model
+
+    if result_or_none is None:
+        tokenizer = load_tokenizer(cfg.tokenizer)
+        task = get_task(cfg.task.name)
+        config, params = build_model(cfg, tokenizer)
+        worker = RolloutWorker(cfg, config, tokenizer, task, schedule)
+        eval_rows = build_examples(cfg, task)[1]
+    else:
+        worker, config, params = result_or_none["worker"], result_or_none["config"], result_or_none["params"]
+        eval_rows = result_or_none["eval_rows"]
+    tail = actor_tail(worker, config, params, actor_params if actor_params is not None else params, eval_rows,
+                      schedule, cfg.calibration.tau, jax.random.PRNGKey(cfg.seed + 99))
+    return {"bin_starts": tail["bin_starts"], "p5": tail["p5"], "mean": tail["mean"], "count": tail["count"]}
+
+
+def _update_cost(history) -> float:
+    times = [h["timing_s/update_actor"] for h in history[1:]]  # step 1 includes compilation
+    return float(np.mean(times)) if times else float("nan")
+
+
+def distill_report(cfg: ConfigDict, result: dict) -> dict:
+    """p5 before/after DistillSparse on the same held-out prompts, and the reward vs a no-LoRA run."""
+    schedule = result["schedule"]
+    before = _tail_on_heldout(cfg, None, schedule)
+    after = _tail_on_heldout(cfg, result, schedule, result["distiller"].actor_params(result["params"]))
+    out = {"p5_before": before["p5"], "p5_after": after["p5"], "bin_starts": after["bin_starts"],
+           "tail_before": before, "tail_after": after}
+    if cfg.distill.compare_without:
+        plain_cfg = ConfigDict(cfg.to_dict())
+        plain_cfg.distill.enabled = False
+        plain_cfg.workdir = os.path.join(cfg.workdir, "without_distill")
+        plain = train(plain_cfg, schedule=schedule)
+        out["reward_with"] = [h["reward_mean"] for h in result["history"]]
+        out["reward_without"] = [h["reward_mean"] for h in plain["history"]]
+        out["update_cost_ratio"] = _update_cost(result["history"]) / _update_cost(plain["history"])
+        steps = [h["step"] for h in result["history"]]
+        plot_curves({"DistillSparse": (steps, out["reward_with"]), "no LoRA": (steps, out["reward_without"])},
+                    os.path.join(cfg.workdir, "reward_distill.png"), ylabel="reward", title="dense policy reward")
+    return out
+
+
 def run_pipeline(cfg: ConfigDict) -> dict:
     validate(cfg)
     os.makedirs(cfg.workdir, exist_ok=True)
@@ -71,6 +117,8 @@ def run_pipeline(cfg: ConfigDict) -> dict:
         "steps": cfg.steps,
     }
     report.update(measure_rollout_speedup(result))
+    if cfg.distill.enabled:
+        report.update(distill_report(cfg, result))
     if calibration is not None:
         report["calibration"] = {k: v for k, v in calibration.items() if k in ("validation", "table_path", "png")}
     if history:
