@@ -90,7 +90,56 @@ def distill_report(cfg: ConfigDict, result: dict) -> dict:
     return out
 
 
+def _min_p5(history) -> float | None:
+    """Minimum over bins of the per-bin p5 averaged over training (None for dense rollouts)."""
+    keys = {k for h in history for k in h if k.startswith("mismatch/alpha_p5/bin_")}
+    per_bin = [np.mean([h[k] for h in history if k in h]) for k in keys]
+    return float(min(per_bin)) if per_bin else None
+
+
+def run_study(cfg: ConfigDict) -> dict:
+    """Same seeds and steps: dense rollouts vs the calibrated tau schedule vs an aggressive fixed budget."""
+    from sparrow_jax.io.plots import plot_panels
+    from sparrow_jax.rl.trainer import build_schedule
+
+    if not os.path.exists(os.path.join(cfg.workdir, "schedule.json")):
+        from sparrow_jax.mismatch.calibrate import calibrate_run
+        calibrate_run(cfg)
+    calibrated = build_schedule(cfg, cfg.workdir)
+    arms = {}
+    for arm in ("dense", "calibrated", "aggressive"):
+        arm_cfg = ConfigDict(cfg.to_dict())
+        arm_cfg.workdir = os.path.join(cfg.workdir, arm)
+        arm_cfg.schedule.kind = {"dense": "dense", "calibrated": "json", "aggressive": "fixed"}[arm]
+        arm_cfg.schedule.path = os.path.join(cfg.workdir, "schedule.json")
+        arm_cfg.schedule.topk = cfg.study.aggressive_topk
+        print(f"[study] arm {arm}", flush=True)
+        arms[arm] = train(arm_cfg)["history"] if arm != "calibrated" else train(arm_cfg, schedule=calibrated)["history"]
+    steps = {a: [h["step"] for h in hist] for a, hist in arms.items()}
+    panels = [("reward", "reward_mean", {a: (steps[a], [h["reward_mean"] for h in hist]) for a, hist in arms.items()}),
+              ("response length", "tokens", {a: (steps[a], [h["response_length/mean"] for h in hist])
+                                             for a, hist in arms.items()}),
+              ("min per-bin p5", "alpha p5", {a: (steps[a], [min([v for k, v in h.items()
+                                                                   if k.startswith("mismatch/alpha_p5/bin_")] or [np.nan])
+                                                              for h in hist]) for a, hist in arms.items() if a != "dense"})]
+    plot_panels(panels, os.path.join(cfg.workdir, "study.png"))
+    table = {a: {"reward_start": _window_mean([h["reward_mean"] for h in hist]),
+                 "reward_end": _window_mean([h["reward_mean"] for h in hist][::-1]),
+                 "min_p5": _min_p5(hist),
+                 "response_length_end": _window_mean([h["response_length/mean"] for h in hist][::-1])}
+             for a, hist in arms.items()}
+    report = {"arms": table, "tau": cfg.calibration.tau, "calibrated_topk": list(calibrated.topk),
+              "aggressive_topk": cfg.study.aggressive_topk, "steps": cfg.steps}
+    atomic_write_json(os.path.join(cfg.workdir, "report.json"), report)
+    for a, row in table.items():
+        print(f"[study] {a:>10}: reward {row['reward_start']:.3f} -> {row['reward_end']:.3f}, min p5 {row['min_p5']}")
+    print(json.dumps(report))
+    return report
+
+
 def run_pipeline(cfg: ConfigDict) -> dict:
+    if "study" in cfg:
+        return run_study(cfg)
     validate(cfg)
     os.makedirs(cfg.workdir, exist_ok=True)
     with open(os.path.join(cfg.workdir, "config.json"), "w") as f:

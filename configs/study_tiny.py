@@ -1,0 +1,16 @@
+"""Study: dense rollouts vs sparse at the calibrated tau schedule vs an aggressive fixed budget.
+
+Same seeds and steps for the three arms; writes runs/study_tiny/study.png (reward, response
+length, min per-bin p5 over training) and report.json with the final table.
+"""
+from ml_collections import ConfigDict
+
+from configs.quickstart import get_config as quickstart_config
+
+
+def get_config():
+    c = quickstart_config()
+    c.workdir = "runs/study_tiny"
+    c.steps = 20
+    c.study = ConfigDict(dict(aggressive_topk=1))  # top-k pages of the aggressive arm
+    return c
