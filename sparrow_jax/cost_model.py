@@ -47,14 +47,13 @@ attention) and fixed per-step costs (they lower the small model's speedup most).
 from __future__ import annotations
 
 import dataclasses
-import json
-import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
 from sparrow_jax.models.config import Qwen3Config
+from sparrow_jax.rollout.schedule import SparsitySchedule
 
 # ------------------------------------------------------------------------------------------------
 # Hardware
@@ -108,86 +107,19 @@ def get_hardware(hw: str | Hardware) -> Hardware:
 
 
 # ------------------------------------------------------------------------------------------------
-# Schedules (plain data: no dependency on sparrow_jax.rollout.schedule)
-
-
-@dataclasses.dataclass(frozen=True)
-class SparseSchedule:
-    """Block top-k schedule: ``topk[i]`` pages in absolute-position bin ``i`` (last bin extends).
-
-    The KV budget in tokens at a position is ``(topk + reserved_first + reserved_last) * page_size``.
-    ``dense_layers`` keep full attention (the paper's released config: ``(0, 1)``).
-    """
-
-    topk: tuple[int, ...]
-    bin_width: int = 2000
-    page_size: int = 16
-    reserved_first: int = 1
-    reserved_last: int = 2
-    dense_layers: tuple[int, ...] = (0, 1)
-
-    def __post_init__(self):
-        object.__setattr__(self, "topk", tuple(int(k) for k in self.topk))
-        object.__setattr__(self, "dense_layers", tuple(int(i) for i in self.dense_layers))
-        if not self.topk:
-            raise ValueError("SparseSchedule.topk must have at least one bin, got ()")
-        if min(self.topk) < 0:
-            raise ValueError(f"SparseSchedule.topk must be >= 0, got {self.topk}")
-        for f in ("bin_width", "page_size"):
-            if getattr(self, f) <= 0:
-                raise ValueError(f"SparseSchedule.{f} must be positive, got {getattr(self, f)}")
-        if self.reserved_first < 0 or self.reserved_last < 0:
-            raise ValueError(f"SparseSchedule reserved pages must be >= 0, got first={self.reserved_first} "
-                             f"last={self.reserved_last}")
-
-    @property
-    def reserved(self) -> int:
-        return self.reserved_first + self.reserved_last
-
-    def topk_at(self, positions: np.ndarray) -> np.ndarray:
-        """Top-k pages for query tokens at absolute ``positions`` [T] -> [T] int."""
-        b = np.minimum(np.asarray(positions) // self.bin_width, len(self.topk) - 1)
-        return np.asarray(self.topk, dtype=np.int64)[b]
-
-    def budget_tokens(self, positions: np.ndarray) -> np.ndarray:
-        """Nominal KV budget in tokens at ``positions`` [T] -> [T]: ``(topk + reserved) * page``."""
-        return (self.topk_at(positions) + self.reserved) * self.page_size
+# Schedules: the sampler's own SparsitySchedule (one concept, one place)
 
 
 def fixed_budget_schedule(topk: int, *, page_size: int = 16, dense_layers: Sequence[int] = (0, 1),
-                          reserved_first: int = 1, reserved_last: int = 2) -> SparseSchedule:
+                          reserved_first: int = 1, reserved_last: int = 2) -> SparsitySchedule:
     """A constant top-k at every position."""
-    return SparseSchedule((topk,), bin_width=1 << 30, page_size=page_size, reserved_first=reserved_first,
-                          reserved_last=reserved_last, dense_layers=tuple(dense_layers))
+    return SparsitySchedule.fixed(topk, page_size=page_size, reserved_first=reserved_first,
+                                  reserved_last=reserved_last, dense_layers=tuple(dense_layers))
 
 
-_PKG_DIR = os.path.dirname(os.path.abspath(__file__))
-PRESETS_PATH = os.path.join(_PKG_DIR, "rollout", "presets", "paper_schedules.json")
-FALLBACK_PRESETS_PATH = os.path.normpath(
-    os.path.join(_PKG_DIR, "..", "..", "shared", "reference", "paper_schedules.json"))
-
-
-def load_paper_presets(path: str | None = None) -> dict[str, Any]:
-    """The published schedules JSON: the shipped copy, else ``../shared/reference`` beside the repo."""
-    candidates = [path] if path else [PRESETS_PATH, FALLBACK_PRESETS_PATH]
-    for p in candidates:
-        if p and os.path.exists(p):
-            with open(p) as f:
-                return json.load(f)
-    raise FileNotFoundError(f"paper schedule presets not found; looked for {candidates}")
-
-
-def paper_schedule(name: str, path: str | None = None) -> SparseSchedule:
-    """A published preset, e.g. ``paper_schedule("qwen3-4b-0.86")``."""
-    data = load_paper_presets(path)
-    presets = data.get("presets", {})
-    if name not in presets:
-        raise ValueError(f"unknown paper schedule {name!r}; known: {sorted(presets)}")
-    return SparseSchedule(tuple(presets[name]), bin_width=int(data["bin_width_tokens"]),
-                          page_size=int(data["page_size"]),
-                          reserved_first=int(data["reserved_first_pages"]),
-                          reserved_last=int(data["reserved_last_pages"]),
-                          dense_layers=tuple(data["dense_layers"]))
+def paper_schedule(name: str) -> SparsitySchedule:
+    """A published preset, e.g. ``paper_schedule("qwen3-4b-0.86")`` (the package's copy of the tables)."""
+    return SparsitySchedule.from_preset(name)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -328,7 +260,7 @@ def dense_rollout_cost(cfg: Qwen3Config, *, num_samples: int, prompt_len: int, g
                        tokens=n * gen_len)
 
 
-def sparse_tokens_read(schedule: SparseSchedule, positions: np.ndarray) -> np.ndarray:
+def sparse_tokens_read(schedule: SparsitySchedule, positions: np.ndarray) -> np.ndarray:
     """KV tokens a sparse layer reads for queries at ``positions`` [T] -> [T].
 
     Context ``c = pos + 1`` in ``n = ceil(c / S)`` pages, the last one holding ``c - (n-1)*S``. If the
@@ -347,7 +279,7 @@ def sparse_tokens_read(schedule: SparseSchedule, positions: np.ndarray) -> np.nd
     return np.where(n <= k + schedule.reserved, c, np.minimum(sparse, c))
 
 
-def scored_pages(schedule: SparseSchedule, positions: np.ndarray) -> np.ndarray:
+def scored_pages(schedule: SparsitySchedule, positions: np.ndarray) -> np.ndarray:
     """Pages whose centroids are scored at ``positions`` [T] -> [T]: non-reserved pages, 0 if all fit."""
     c = np.asarray(positions, dtype=np.int64) + 1
     n = -(-c // schedule.page_size)
@@ -355,7 +287,7 @@ def scored_pages(schedule: SparseSchedule, positions: np.ndarray) -> np.ndarray:
     return np.where(n <= k + schedule.reserved, 0, n - schedule.reserved)
 
 
-def sparse_rollout_cost(cfg: Qwen3Config, schedule: SparseSchedule, *, num_samples: int, prompt_len: int,
+def sparse_rollout_cost(cfg: Qwen3Config, schedule: SparsitySchedule, *, num_samples: int, prompt_len: int,
                         gen_len: int, hardware: str | Hardware = "H200", combine: str = "max",
                         selector: str = "centroid") -> RolloutCost:
     """Cost with block top-k attention in all layers except ``schedule.dense_layers``.
@@ -377,7 +309,7 @@ def sparse_rollout_cost(cfg: Qwen3Config, schedule: SparseSchedule, *, num_sampl
                        memory_time_s=tm, decode_time_s=t, prefill_time_s=pt, tokens=num_samples * gen_len)
 
 
-def _sparse_steps(cfg: Qwen3Config, sched: SparseSchedule, pos: np.ndarray, n: int, hw: Hardware,
+def _sparse_steps(cfg: Qwen3Config, sched: SparsitySchedule, pos: np.ndarray, n: int, hw: Hardware,
                   selector: str) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """Per decode step [T]: (flops, bytes, KV bytes, scoring bytes) of the sparse rollout."""
     if selector not in ("centroid", "quest"):
@@ -397,7 +329,7 @@ def _sparse_steps(cfg: Qwen3Config, sched: SparseSchedule, pos: np.ndarray, n: i
     return flops, b0 + kv + score_bytes, kv, score_bytes
 
 
-def step_time_s(cfg: Qwen3Config, schedule: SparseSchedule | None, positions: Sequence[int] | np.ndarray, *,
+def step_time_s(cfg: Qwen3Config, schedule: SparsitySchedule | None, positions: Sequence[int] | np.ndarray, *,
                 num_samples: int, hardware: str | Hardware = "H200", combine: str = "max",
                 selector: str = "centroid") -> np.ndarray:
     """Predicted time (s) of one decode step for queries at absolute ``positions`` [T] -> [T].
@@ -408,12 +340,12 @@ def step_time_s(cfg: Qwen3Config, schedule: SparseSchedule | None, positions: Se
     pos = np.asarray(positions, dtype=np.int64).reshape(-1)
     _check_run(num_samples, 1, 1)
     if schedule is None:
-        schedule = SparseSchedule((0,), dense_layers=tuple(range(cfg.num_hidden_layers)))
+        schedule = SparsitySchedule((0,), dense_layers=tuple(range(cfg.num_hidden_layers)))
     flops, nbytes, _, _ = _sparse_steps(cfg, schedule, pos, num_samples, hw, selector)
     return _step_times(flops, nbytes, hw, combine)
 
 
-def predicted_speedup(cfg: Qwen3Config, schedule: SparseSchedule, *, num_samples: int, prompt_len: int,
+def predicted_speedup(cfg: Qwen3Config, schedule: SparsitySchedule, *, num_samples: int, prompt_len: int,
                       gen_len: int, hardware: str | Hardware = "H200", combine: str = "max",
                       selector: str = "centroid", include_prefill: bool = True) -> float:
     """Rollout throughput ratio sparse / dense (= dense time / sparse time, same tokens).
@@ -450,7 +382,7 @@ def paper_dense_cost(cfg: Qwen3Config, *, num_samples: int, prompt_len: int, gen
     return comp + I * mem
 
 
-def paper_sparse_cost(cfg: Qwen3Config, schedule: SparseSchedule | None = None, *, num_samples: int,
+def paper_sparse_cost(cfg: Qwen3Config, schedule: SparsitySchedule | None = None, *, num_samples: int,
                       prompt_len: int, gen_len: int, hardware: str | Hardware = "H200",
                       budget_tokens: int | None = None, page_size: int | None = None) -> float:
     """``C_sparse_noscore + C_scoring`` with a fixed budget ``B`` (tokens) and page size ``S``.
@@ -467,7 +399,7 @@ def paper_sparse_cost(cfg: Qwen3Config, schedule: SparseSchedule | None = None, 
     if schedule is not None:
         if budget_tokens is not None:
             raise ValueError("give either schedule or budget_tokens, not both")
-        B_Lout = float(schedule.budget_tokens(_decode_positions(prompt_len, gen_len)).sum())
+        B_Lout = float(schedule.budget_tokens_at(_decode_positions(prompt_len, gen_len)).sum())
         S = float(page_size or schedule.page_size)
     else:
         if budget_tokens is None or page_size is None:
@@ -479,7 +411,7 @@ def paper_sparse_cost(cfg: Qwen3Config, schedule: SparseSchedule | None = None, 
     return noscore + scoring
 
 
-def paper_predicted_speedup(cfg: Qwen3Config, schedule: SparseSchedule, *, num_samples: int,
+def paper_predicted_speedup(cfg: Qwen3Config, schedule: SparsitySchedule, *, num_samples: int,
                             prompt_len: int, gen_len: int, hardware: str | Hardware = "H200") -> float:
     kw = dict(num_samples=num_samples, prompt_len=prompt_len, gen_len=gen_len, hardware=hardware)
     return paper_dense_cost(cfg, **kw) / paper_sparse_cost(cfg, schedule, **kw)
@@ -519,7 +451,7 @@ def bin_costs(cfg: Qwen3Config, topks: Sequence[int], num_bins: int, *, num_samp
     b = np.minimum(pos // bin_width, num_bins - 1)
     out = np.zeros((len(topks), num_bins))
     for i, k in enumerate(topks):
-        sched = SparseSchedule((int(k),), bin_width=bin_width, page_size=page_size,
+        sched = SparsitySchedule((int(k),), bin_width=bin_width, page_size=page_size,
                                reserved_first=reserved_first, reserved_last=reserved_last,
                                dense_layers=tuple(dense_layers))
         flops, nbytes, _, _ = _sparse_steps(cfg, sched, pos, num_samples, hw, selector)
@@ -531,7 +463,7 @@ def optimise_schedule(cfg: Qwen3Config, table: Mapping[int, Sequence[float]], ta
                       prompt_len: int, gen_len: int, hardware: str | Hardware = "H200", bin_width: int = 2000,
                       page_size: int = 16, dense_layers: Sequence[int] = (0, 1), reserved_first: int = 1,
                       reserved_last: int = 2, combine: str = "max",
-                      selector: str = "centroid") -> tuple[SparseSchedule, float]:
+                      selector: str = "centroid") -> tuple[SparsitySchedule, float]:
     """Minimum-cost schedule with ``p5 >= tau`` in every bin and top-k non-decreasing with position.
 
     ``table[topk][b]`` is the measured p5 acceptance rate of a constant ``topk`` in bin ``b``. Exact
@@ -571,7 +503,7 @@ def optimise_schedule(cfg: Qwen3Config, table: Mapping[int, Sequence[float]], ta
         j = int(arg[b][j])
         path.append(j)
     topk = tuple(ks[i] for i in reversed(path))
-    return (SparseSchedule(topk, bin_width=bin_width, page_size=page_size, reserved_first=reserved_first,
+    return (SparsitySchedule(topk, bin_width=bin_width, page_size=page_size, reserved_first=reserved_first,
                            reserved_last=reserved_last, dense_layers=tuple(dense_layers)), total)
 
 
