@@ -18,6 +18,7 @@ from ml_collections import ConfigDict
 from sparrow_jax.config_schema import validate
 from sparrow_jax.io import atomic_write_json
 from sparrow_jax.io.plots import plot_curves
+from sparrow_jax.parallel import is_primary
 from sparrow_jax.rl.trainer import train
 
 
@@ -142,8 +143,8 @@ def run_pipeline(cfg: ConfigDict) -> dict:
         return run_study(cfg)
     validate(cfg)
     os.makedirs(cfg.workdir, exist_ok=True)
-    with open(os.path.join(cfg.workdir, "config.json"), "w") as f:
-        f.write(cfg.to_json_best_effort(indent=2))
+    if is_primary():
+        atomic_write_json(os.path.join(cfg.workdir, "config.json"), json.loads(cfg.to_json_best_effort()))
     t0 = time.perf_counter()
     calibration = None
     if cfg.schedule.kind == "calibrated" and not os.path.exists(os.path.join(cfg.workdir, "schedule.json")):
@@ -174,7 +175,8 @@ def run_pipeline(cfg: ConfigDict) -> dict:
         plot_curves({"reward_mean": ([h["step"] for h in history], rewards)},
                     os.path.join(cfg.workdir, "reward.png"), ylabel="reward", title="reward over training")
     report["wall_s"] = time.perf_counter() - t0
-    atomic_write_json(os.path.join(cfg.workdir, "report.json"), report)
+    if is_primary():  # only process 0 writes reports
+        atomic_write_json(os.path.join(cfg.workdir, "report.json"), report)
     print(f"[report] reward {report['reward_start']:.3f} -> {report['reward_end']:.3f}; "
           f"rollout speedup {report['rollout_speedup']:.2f}x; p5 by bin {report['p5_by_bin']}", flush=True)
     print(json.dumps({k: report[k] for k in ("reward_start", "reward_end", "p5_by_bin", "tau", "rollout_speedup")}))

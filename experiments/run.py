@@ -18,6 +18,8 @@ def main(argv):
     del argv
     from absl import logging
     logging.set_verbosity(logging.WARNING)  # orbax logs every save at INFO
+    from sparrow_jax.parallel import initialize_distributed
+    initialize_distributed()  # multi-host only when configured (JAX_COORDINATOR_ADDRESS / SPARROW_DISTRIBUTED)
     from experiments.pipeline import run_pipeline  # deferred: keeps --help fast
     run_pipeline(_CONFIG.value)
 

@@ -26,6 +26,7 @@ from sparrow_jax.models import Qwen3Config, init_params, load_hf
 from sparrow_jax.models.tokenizer import load_tokenizer
 from sparrow_jax.rl.advantages import group_advantages
 from sparrow_jax.models.lora import LoraConfig, init_lora, with_lora
+from sparrow_jax.parallel import is_primary, make_mesh, shard_batch, shard_params, shard_train_state
 from sparrow_jax.rl.train_step import (Batch, DistillOptions, LoraState, StepOptions, init_train_state, make_optimizer,
                                        train_step)
 from sparrow_jax.rollout import SamplingParams, SparsitySchedule, generate
@@ -164,6 +165,7 @@ def _pad_batch(rollout, length_bucket: int = 64):
 def train(cfg: ConfigDict, schedule: Optional[SparsitySchedule] = None, progress: bool = True) -> dict:
     """Run (or resume) RL training as configured. Returns the summary written to report fields."""
     validate(cfg)
+    mesh = make_mesh(cfg.mesh)  # (data, fsdp, tensor) over all devices; fails fast on a wrong product
     workdir = cfg.workdir
     os.makedirs(workdir, exist_ok=True)
     tokenizer = load_tokenizer(cfg.tokenizer)
@@ -174,7 +176,8 @@ def train(cfg: ConfigDict, schedule: Optional[SparsitySchedule] = None, progress
     train_rows, eval_rows = build_examples(cfg, task)
     worker = RolloutWorker(cfg, config, tokenizer, task, schedule)
     optimizer = make_optimizer(cfg.train.learning_rate, cfg.train.max_grad_norm)
-    state = init_train_state(params, optimizer)
+    params = shard_params(params, mesh, config)  # before optimizer.init: Adam moments are born sharded
+    state = shard_train_state(init_train_state(params, optimizer), mesh, config)
     data = PromptIterator(train_rows, cfg.rollout.prompts_per_step, seed=cfg.seed)
     ckpt = CheckpointManager(os.path.join(workdir, "checkpoints"), max_to_keep=cfg.keep_checkpoints)
     distiller = None
@@ -182,6 +185,7 @@ def train(cfg: ConfigDict, schedule: Optional[SparsitySchedule] = None, progress
         if schedule is None:
             raise ConfigError("config field distill.enabled needs sparse rollouts (schedule.kind != 'dense')")
         distiller = Distiller(cfg, params)
+        distiller.state = shard_train_state(distiller.state, mesh, config)
     start = 0
     if ckpt.latest_step() is not None:
         target = {"params": state.params, "opt_state": state.opt_state}
@@ -191,14 +195,15 @@ def train(cfg: ConfigDict, schedule: Optional[SparsitySchedule] = None, progress
         meta = restored["meta"]
         start = int(meta["step"])
         state = state._replace(step=jnp.int32(start), params=restored["params"], opt_state=restored["opt_state"])
+        state = shard_train_state(state, mesh, config)  # places the step counter too
         data.restore(meta["data"])
         if distiller is not None:
-            distiller.state = LoraState(restored["lora"], restored["lora_opt_state"])
+            distiller.state = shard_train_state(LoraState(restored["lora"], restored["lora_opt_state"]), mesh, config)
             if meta.get("distill_switched"):
                 schedule = SparsitySchedule.fixed(cfg.distill.switch_topk, **_schedule_fields(schedule))
                 worker.schedule, distiller.switched = schedule, True
         print(f"[train] resumed from checkpoint at step {start}", flush=True)
-    writer = MetricWriter(workdir, resume_step=start)
+    writer = MetricWriter(workdir, resume_step=start, is_primary=is_primary())
     bar = ProgressBar(total=cfg.steps, initial=start, desc="rl", disable=not progress)
     max_len = max(len(worker.encode(e)) for e in train_rows[:64]) + cfg.rollout.max_new_tokens
     opts = step_options(cfg, schedule, max_len)
@@ -212,8 +217,7 @@ def train(cfg: ConfigDict, schedule: Optional[SparsitySchedule] = None, progress
         gen_s = time.perf_counter() - t0
         adv = group_advantages(jnp.asarray(rewards), cfg.rollout.group_size, mode=cfg.train.adv_mode)
         tokens, mask, logp = _pad_batch(rollout)
-        batch = Batch(jnp.asarray(tokens), jnp.asarray(mask), jnp.asarray(logp), adv,
-                      jnp.asarray(rollout.prompt_lens))
+        batch = shard_batch(Batch(tokens, mask, logp, adv, rollout.prompt_lens), mesh)
         t1 = time.perf_counter()
         if distiller is None:
             state, m = train_step(state, batch, config=config, optimizer=optimizer, schedule=schedule, opts=opts)
