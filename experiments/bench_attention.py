@@ -1,20 +1,28 @@
 """Per-decode-step attention time: dense vs block-sparse (CPU, one layer).
 
-Run: ``python -m experiments.bench_attention [--contexts 4096 16384 32768] [--repeats 40]``
+Run: ``python -m experiments.bench_attention [--contexts 4096 16384 32768] [--mode loop|call]``
 
 Shapes follow the paper's decode setting: batch 8, 8 query heads, 2 KV heads, head_dim 64,
 page 16, KV budget 1024 tokens = (61 top-k + 1 first + 2 last pages) x 16. Every row
 decodes at the last position of a full ``L``-token cache.
 
 * dense: ``dense_decode`` over all ``L`` tokens.
-* sparse: ``group_mean_query`` + ``score_pages`` + ``select_pages`` + ``sparse_decode_xla``,
-  jitted together as one decode step runs them.
-* sparse_fast: the same step with ``sparse_decode_xla_fast`` (extra columns).
+* sparse: what a sparse decode step runs per layer: ``group_mean_query`` + ``score_pages``
+  + ``select_pages`` + ``sparse_decode(impl="xla")`` (the CPU fast path,
+  :func:`sparrow_jax.attention.fast_xla.sparse_decode_xla_fast`).
+* sparse_xla_ref: the same step with the plain gather formulation ``sparse_decode_xla``.
 
-Each step is jitted and warmed up; dense and sparse calls are interleaved (so load from
-other processes hits both alike) and the median of ``--repeats`` calls is reported. By
-default a 96 MiB buffer is streamed before every timed call so the KV cache is not
-L3-resident (a real decode step touches every layer's cache in turn); ``--warm`` skips it.
+Timing modes (dense and sparse always measured the same way, interleaved, so load from
+other processes hits both alike; the median over ``--repeats`` is reported):
+
+* ``loop`` (default): as in the sampler, the step runs inside one jitted loop over
+  ``--layers`` distinct caches (one per "layer", each far larger than the L3 cache, so
+  every step reads its cache cold) for ``--steps`` rounds; time per layer-step. Temporary
+  buffers are allocated once per call, as in the sampler's ``while_loop``.
+* ``call``: one jitted call per step on one cache, a 96 MiB buffer streamed before every
+  timed call to evict the caches. Each call also allocates (page-faults) its temporaries,
+  which the decode loop does not.
+
 ``ideal_speedup`` = dense KV bytes / (selected KV bytes + centroid bytes read for scoring).
 The last stdout line is ``{"results": [...]}``, also written to runs/bench/bench_attention.json.
 """
@@ -31,8 +39,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from sparrow_jax.attention import (dense_decode, group_mean_query, page_metadata, score_pages,
-                                   select_pages, sparse_decode_xla)
-from sparrow_jax.attention.fast_xla import sparse_decode_xla_fast
+                                   select_pages, sparse_decode, sparse_decode_xla)
 
 BATCH, HEADS, KV_HEADS, HEAD_DIM, PAGE = 8, 8, 2, 64, 16
 BUDGET_TOKENS, RESERVED_FIRST, RESERVED_LAST = 1024, 1, 2
@@ -40,8 +47,11 @@ K_MAX = BUDGET_TOKENS // PAGE - RESERVED_FIRST - RESERVED_LAST  # 61 top-k pages
 OUT_PATH = os.path.join("runs", "bench", "bench_attention.json")
 
 
-def make_sparse_step(attend: Callable) -> Callable:
-    """Score pages, select the top-k, attend over them: one jitted decode step."""
+def sparse_step(attend: Callable) -> Callable:
+    """Score pages, select the top-k, attend over them: one layer of a sparse decode step.
+
+    (q, k_pages, v_pages, centroid, positions) -> (out [B, H, D], page_valid [B, Hkv, N]).
+    """
 
     def step(q, k_pages, v_pages, centroid, positions):
         scores = score_pages(group_mean_query(q, KV_HEADS), centroid)
@@ -49,8 +59,16 @@ def make_sparse_step(attend: Callable) -> Callable:
                                             RESERVED_FIRST, RESERVED_LAST)
         return attend(q, k_pages, v_pages, page_idx, page_valid, positions), page_valid
 
-    return jax.jit(step)
+    return step
 
+
+def dense_step(q, k_pages, v_pages, centroid, positions):
+    return dense_decode(q, k_pages, v_pages, positions), None
+
+
+STEPS = {"dense": dense_step,
+         "sparse": sparse_step(lambda *a: sparse_decode(*a, impl="xla")),
+         "sparse_xla_ref": sparse_step(sparse_decode_xla)}
 
 FLUSH_BYTES = 96 << 20  # > 2x this machine's 32 MiB L3
 
@@ -60,52 +78,77 @@ def _touch(x):
     return jnp.sum(x)  # read-only: evicts the cache without allocating a new large buffer
 
 
-def time_interleaved(fns: Dict[str, Callable], args: tuple, repeats: int,
-                     cold: bool = True) -> Dict[str, List[float]]:
-    """Warm up every fn, then time them round-robin; returns seconds per call per fn.
+def looped(step: Callable, num_steps: int) -> Callable:
+    """jit: ``num_steps`` rounds of ``step`` over every layer's cache; q carries a dependency."""
 
-    cold: stream a buffer larger than the last-level cache before every timed call (not
-    timed), as in a real decode step where each layer's cache was evicted by the others.
+    def run(q, layers, positions):
+        def body(_, q):
+            for k_pages, v_pages, centroid in layers:
+                out, _ = step(q, k_pages, v_pages, centroid, positions)
+                q = q + 1e-6 * out  # the next layer's query depends on this one's output
+            return q
+
+        return jax.lax.fori_loop(0, num_steps, body, q)
+
+    return jax.jit(run)
+
+
+def time_interleaved(fns: Dict[str, Callable], args: tuple, repeats: int, flush: bool,
+                     per_call: int = 1) -> Dict[str, List[float]]:
+    """Warm up every fn, then time them round-robin; seconds per call / ``per_call`` per fn.
+
+    flush: stream a buffer larger than the last-level cache before every timed call (not timed).
     """
-    flush = jnp.zeros((FLUSH_BYTES // 4,), jnp.float32)
+    buf = jnp.zeros((FLUSH_BYTES // 4,), jnp.float32) if flush else None
     for fn in fns.values():
         for _ in range(2):
             jax.block_until_ready(fn(*args))
     times: Dict[str, List[float]] = {name: [] for name in fns}
     for _ in range(repeats):
         for name, fn in fns.items():
-            if cold:
-                jax.block_until_ready(_touch(flush))
+            if flush:
+                jax.block_until_ready(_touch(buf))
             start = time.perf_counter()
             jax.block_until_ready(fn(*args))
-            times[name].append(time.perf_counter() - start)
+            times[name].append((time.perf_counter() - start) / per_call)
     return times
 
 
-def bench_context(length: int, repeats: int, cold: bool = True, seed: int = 0) -> dict:
-    if length % PAGE:
-        raise ValueError(f"context length {length} must be a multiple of the page size {PAGE}")
-    pages = length // PAGE
-    keys = jax.random.split(jax.random.PRNGKey(seed + length), 3)
-    shape = (BATCH, KV_HEADS, pages, PAGE, HEAD_DIM)
+def make_layer(length: int, seed: int):
+    """Random K/V pages of a full ``length``-token cache and their centroids."""
+    shape = (BATCH, KV_HEADS, length // PAGE, PAGE, HEAD_DIM)
+    keys = jax.random.split(jax.random.PRNGKey(seed), 2)
     k_pages = jax.random.normal(keys[0], shape, jnp.float32)
     v_pages = jax.random.normal(keys[1], shape, jnp.float32)
-    q = jax.random.normal(keys[2], (BATCH, HEADS, HEAD_DIM), jnp.float32)
-    positions = jnp.full((BATCH,), length - 1, jnp.int32)
-    centroid, _, _ = page_metadata(k_pages, positions + 1, with_minmax=False)
-    args = (q, k_pages, v_pages, centroid, positions)
+    centroid, _, _ = page_metadata(k_pages, jnp.full((BATCH,), length, jnp.int32), with_minmax=False)
+    return k_pages, v_pages, centroid
 
-    dense = jax.jit(lambda q, k, v, c, pos: dense_decode(q, k, v, pos))
-    sparse = make_sparse_step(sparse_decode_xla)
-    sparse_fast = make_sparse_step(sparse_decode_xla_fast)
-    # Sanity: both sparse forms agree (same selection, same math).
-    out_ref, valid = sparse(*args)
-    out_fast, _ = sparse_fast(*args)
+
+def bench_context(length: int, repeats: int, mode: str = "loop", layers: int = 4, steps: int = 4,
+                  seed: int = 0) -> dict:
+    if length % PAGE:
+        raise ValueError(f"context length {length} must be a multiple of the page size {PAGE}")
+    if mode not in ("loop", "call"):
+        raise ValueError(f"mode must be 'loop' or 'call', got {mode!r}")
+    q = jax.random.normal(jax.random.PRNGKey(seed + 1), (BATCH, HEADS, HEAD_DIM), jnp.float32)
+    positions = jnp.full((BATCH,), length - 1, jnp.int32)
+    caches = [make_layer(length, seed + length + i) for i in range(layers if mode == "loop" else 1)]
+    k_pages, v_pages, centroid = caches[0]
+
+    # Sanity: the fast path and the plain gather agree (same selection, same math).
+    args1 = (q, k_pages, v_pages, centroid, positions)
+    out_fast, valid = jax.jit(STEPS["sparse"])(*args1)
+    out_ref, _ = jax.jit(STEPS["sparse_xla_ref"])(*args1)
     max_diff = float(jnp.max(jnp.abs(out_ref - out_fast)))
     if not max_diff < 1e-4:
-        raise RuntimeError(f"sparse_decode_xla_fast disagrees with sparse_decode_xla by {max_diff}")
+        raise RuntimeError(f"the sparse fast path disagrees with sparse_decode_xla by {max_diff}")
 
-    times = time_interleaved({"dense": dense, "sparse": sparse, "sparse_fast": sparse_fast}, args, repeats, cold)
+    if mode == "loop":
+        fns = {name: looped(step, steps) for name, step in STEPS.items()}
+        times = time_interleaved(fns, (q, caches, positions), repeats, flush=False, per_call=layers * steps)
+    else:
+        fns = {name: jax.jit(step) for name, step in STEPS.items()}
+        times = time_interleaved(fns, args1, repeats, flush=True)
     med = {name: float(np.median(t)) * 1e3 for name, t in times.items()}
 
     item = jnp.dtype(jnp.float32).itemsize
@@ -114,32 +157,36 @@ def bench_context(length: int, repeats: int, cold: bool = True, seed: int = 0) -
     selected_bytes = 2 * selected_pages * PAGE * HEAD_DIM * item
     centroid_bytes = centroid.size * centroid.dtype.itemsize
     ideal = dense_bytes / (selected_bytes + centroid_bytes)
+    speedup = med["dense"] / med["sparse"]
     return {"context": length, "dense_ms": round(med["dense"], 3), "sparse_ms": round(med["sparse"], 3),
-            "speedup": round(med["dense"] / med["sparse"], 3), "ideal_speedup": round(ideal, 3),
-            "sparse_fast_ms": round(med["sparse_fast"], 3),
-            "speedup_fast": round(med["dense"] / med["sparse_fast"], 3),
+            "speedup": round(speedup, 3), "ideal_speedup": round(ideal, 3),
+            "fraction_of_ideal": round(speedup / ideal, 3),
+            "sparse_xla_ref_ms": round(med["sparse_xla_ref"], 3),
+            "speedup_xla_ref": round(med["dense"] / med["sparse_xla_ref"], 3),
             "dense_min_ms": round(min(times["dense"]) * 1e3, 3),
             "sparse_min_ms": round(min(times["sparse"]) * 1e3, 3),
-            "sparse_fast_min_ms": round(min(times["sparse_fast"]) * 1e3, 3),
-            "repeats": repeats, "cache": "cold" if cold else "warm"}
+            "repeats": repeats, "mode": mode, **({"layers": layers, "steps": steps} if mode == "loop" else {})}
 
 
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--contexts", type=int, nargs="+", default=[4096, 16384, 32768])
-    parser.add_argument("--repeats", type=int, default=60)
-    parser.add_argument("--warm", action="store_true",
-                        help="do not flush the CPU caches between timed calls")
+    parser.add_argument("--repeats", type=int, default=30)
+    parser.add_argument("--mode", choices=("loop", "call"), default="loop")
+    parser.add_argument("--layers", type=int, default=4, help="loop mode: distinct caches per round")
+    parser.add_argument("--steps", type=int, default=4, help="loop mode: rounds per timed call")
     parser.add_argument("--out", default=OUT_PATH)
     args = parser.parse_args(argv)
+    load_start = os.getloadavg()[0]
     results = []
     for length in args.contexts:
-        row = bench_context(length, args.repeats, cold=not args.warm)
+        row = bench_context(length, args.repeats, args.mode, args.layers, args.steps)
         results.append(row)
         print(f"L={length:6d}  dense {row['dense_ms']:8.3f} ms  sparse {row['sparse_ms']:7.3f} ms "
-              f"(x{row['speedup']:.2f})  sparse_fast {row['sparse_fast_ms']:7.3f} ms (x{row['speedup_fast']:.2f})"
-              f"  ideal x{row['ideal_speedup']:.2f}", flush=True)
+              f"(x{row['speedup']:.2f}, {row['fraction_of_ideal']:.2f} of ideal x{row['ideal_speedup']:.2f})"
+              f"  sparse_xla_ref {row['sparse_xla_ref_ms']:7.3f} ms (x{row['speedup_xla_ref']:.2f})", flush=True)
     summary = {"results": results, "backend": jax.default_backend(), "devices": jax.device_count(),
+               "load_avg_1min": {"start": round(load_start, 2), "end": round(os.getloadavg()[0], 2)},
                "shape": {"batch": BATCH, "heads": HEADS, "kv_heads": KV_HEADS, "head_dim": HEAD_DIM,
                          "page": PAGE, "budget_tokens": BUDGET_TOKENS, "k_max": K_MAX}}
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)

@@ -6,6 +6,12 @@ prefill is timed and reported separately. Final stdout line is JSON, also writte
 ``--out`` (default ``runs/bench/bench_rollout.json``).
 
     python -m experiments.bench_rollout [--batch 4 --prompt_len 8192 --gen_len 1024]
+
+Method: one compile run each of dense and sparse ``generate`` (timings discarded), then
+the measured dense and sparse runs back to back (so machine load hits both alike), then
+HF. HF is timed per decode step inside ``generate`` (see :func:`_hf`), not as the
+difference of two separately timed runs, which a noisy prefill can swamp. The JSON also
+records the 1-minute load average at the start and end and the wall time.
 """
 from __future__ import annotations
 
@@ -28,33 +34,59 @@ BENCH_MODEL = Qwen3Config(vocab_size=512, hidden_size=256, num_hidden_layers=4, 
 
 
 def _ours(params, prompts, gen_len, schedule):
+    """One greedy ``generate``: (decode tok/s, prefill seconds, Rollout)."""
     sampling = SamplingParams(max_new_tokens=gen_len, temperature=0.0)
-    generate(BENCH_MODEL, params, prompts, jax.random.PRNGKey(0), sampling, schedule=schedule)  # compile
     out = generate(BENCH_MODEL, params, prompts, jax.random.PRNGKey(0), sampling, schedule=schedule)
     return out.stats["decode_tokens"] / out.stats["decode_s"], out.stats["prefill_s"], out
 
 
-def _hf(params, prompts, gen_len, threads):
+def _hf(params, prompts, gen_len, threads, block=32, probe_blocks=2, skip_steps=4):
+    """HF ``generate`` (greedy, sdpa, float32) decode tokens/s, timed per step.
+
+    A logits processor stamps the time of every decode step, so the decode figure is
+    ``batch / mean step time``: no subtraction of a separately timed (and noisy) prefill.
+    torch's thread count is a fairness knob on a shared machine: its OpenMP pool can be
+    several times slower with 2 threads than with 1 when other processes hold the cores.
+    So the first ``probe_blocks`` blocks of ``block`` steps per setting alternate between
+    the values of ``threads`` (same contexts for all), the rest of the run uses the faster
+    one, and HF is credited with the fastest setting.
+    Returns (tok/s of the best setting, prefill seconds, {threads: tok/s}).
+    """
     import torch
     import transformers
 
-    torch.set_num_threads(threads)
     with tempfile.TemporaryDirectory() as d:
         save_hf(d, BENCH_MODEL, params)
-        model = transformers.Qwen3ForCausalLM.from_pretrained(d, torch_dtype=torch.float32).eval()
+        model = transformers.Qwen3ForCausalLM.from_pretrained(d, dtype=torch.float32,
+                                                              attn_implementation="sdpa").eval()
     ids = torch.tensor(np.asarray(prompts))
+    stamps, used = [], []
+    probe_steps = block * probe_blocks * len(threads)
 
-    def run(n):
-        t = time.perf_counter()
-        with torch.no_grad():
-            model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False,
-                           eos_token_id=None, pad_token_id=0)
-        return time.perf_counter() - t
+    def step_times(th):
+        step_s = np.diff(stamps)[skip_steps:]  # step i ran with used[i] threads
+        return step_s[np.asarray(used[skip_steps:len(stamps) - 1]) == th]
 
-    run(2)  # warm-up
-    prefill_s = run(1)
-    total_s = run(gen_len)
-    return len(prompts) * (gen_len - 1) / (total_s - prefill_s), prefill_s
+    class _Stamp(transformers.LogitsProcessor):
+        def __call__(self, input_ids, scores):
+            stamps.append(time.perf_counter())
+            i = len(stamps)
+            if i < probe_steps:
+                th = threads[(i // block) % len(threads)]
+            else:  # keep the faster setting
+                th = min(threads, key=lambda t: np.mean(step_times(t)) if len(step_times(t)) else np.inf)
+            torch.set_num_threads(th)  # the thread count of the next decode step
+            used.append(th)
+            return scores
+
+    torch.set_num_threads(threads[0])
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        model.generate(ids, max_new_tokens=gen_len, min_new_tokens=gen_len, do_sample=False,
+                       eos_token_id=None, pad_token_id=0, logits_processor=[_Stamp()])
+    prefill_s = stamps[0] - t0
+    per_threads = {th: len(prompts) / float(np.mean(step_times(th))) for th in threads if len(step_times(th))}
+    return max(per_threads.values()), prefill_s, per_threads
 
 
 def main(argv=None):
@@ -73,6 +105,11 @@ def main(argv=None):
     prompts = [list(rng.randint(3, BENCH_MODEL.vocab_size, args.prompt_len)) for _ in range(args.batch)]
     schedule = SparsitySchedule.from_budget_tokens(args.budget_tokens, page_size=args.page_size,
                                                    dense_layers=(), name=f"fixed-{args.budget_tokens}")
+    load_start = os.getloadavg()[0]
+    t_start = time.perf_counter()
+    for mode in (None, schedule):  # compile runs (timings discarded)
+        _ours(params, prompts, args.gen_len, mode)
+    # Measured runs back to back, dense then sparse, so machine load hits both alike.
     dense_tok_s, dense_prefill_s, dense_out = _ours(params, prompts, args.gen_len, None)
     print(f"dense: {dense_tok_s:.1f} tok/s decode, prefill {dense_prefill_s:.2f}s", flush=True)
     sparse_tok_s, sparse_prefill_s, sparse_out = _ours(params, prompts, args.gen_len, schedule)
@@ -80,9 +117,12 @@ def main(argv=None):
     agree = float(np.mean(dense_out.tokens[dense_out.completion_mask] == sparse_out.tokens[sparse_out.completion_mask]))
     result = {"dense_tok_s": round(dense_tok_s, 2), "sparse_tok_s": round(sparse_tok_s, 2)}
     if not args.skip_hf:
-        hf_tok_s, hf_prefill_s = _hf(params, prompts, args.gen_len, threads=os.cpu_count() or 1)
-        print(f"hf: {hf_tok_s:.1f} tok/s decode, prefill {hf_prefill_s:.2f}s", flush=True)
+        threads = sorted({1, os.cpu_count() or 1})
+        hf_tok_s, hf_prefill_s, hf_by_threads = _hf(params, prompts, args.gen_len, threads)
+        print(f"hf: {hf_tok_s:.1f} tok/s decode (by torch threads: "
+              f"{ {k: round(v, 1) for k, v in hf_by_threads.items()} }), prefill {hf_prefill_s:.2f}s", flush=True)
         result["hf_tok_s"] = round(hf_tok_s, 2)
+        result["hf_tok_s_by_threads"] = {str(k): round(v, 2) for k, v in hf_by_threads.items()}
     result["sparse_over_dense"] = round(sparse_tok_s / dense_tok_s, 3)
     if "hf_tok_s" in result:
         result["dense_over_hf"] = round(dense_tok_s / result["hf_tok_s"], 3)
@@ -90,6 +130,8 @@ def main(argv=None):
     result.update(prefill_s={"dense": round(dense_prefill_s, 2), "sparse": round(sparse_prefill_s, 2),
                              **({"hf": round(hf_prefill_s, 2)} if not args.skip_hf else {})},
                   greedy_token_agreement_sparse_vs_dense=round(agree, 4),
+                  wall_s=round(time.perf_counter() - t_start, 1),
+                  load_avg_1min={"start": round(load_start, 2), "end": round(os.getloadavg()[0], 2)},
                   setup=dict(batch=args.batch, prompt_len=args.prompt_len, gen_len=args.gen_len,
                              budget_tokens=args.budget_tokens, page_size=args.page_size,
                              backend=jax.default_backend(), model=BENCH_MODEL.to_hf_dict()))

@@ -61,8 +61,11 @@ def cpu_row(hardware: cm.Hardware, bench_json: str, combine: str) -> dict[str, A
     if os.path.exists(bench_json):
         try:
             with open(bench_json) as f:
-                lines = [ln for ln in f.read().splitlines() if ln.strip()]
-            bench = json.loads(lines[-1])
+                text = f.read()
+            try:  # the benchmark's own JSON file ...
+                bench = json.loads(text)
+            except json.JSONDecodeError:  # ... or a saved stdout whose last line is the JSON
+                bench = json.loads([ln for ln in text.splitlines() if ln.strip()][-1])
             row["measured"] = round(float(bench["sparse_over_dense"]), 3)
             row["ratio"] = round(pred / row["measured"], 3)
         except (json.JSONDecodeError, KeyError, IndexError, TypeError, ValueError) as err:

@@ -6,7 +6,8 @@ masked). Sparse forms also take ``page_idx [B, Hkv, N]`` / ``page_valid [B, Hkv,
 from :func:`sparrow_jax.attention.selection.select_pages`. Softmax is in float32.
 
 * ``sparse_decode_reference``: masks the full cache with the selected pages (clear, slow).
-* ``sparse_decode_xla``: gathers only the selected pages (the CPU default).
+* ``sparse_decode_xla``: gathers only the selected pages (plain formulation).
+* ``fast_xla.sparse_decode_xla_fast``: the same, tuned for XLA:CPU (the CPU default).
 * Pallas kernels (``pallas_kernels``) for TPU and GPU, tested against the reference.
 """
 from __future__ import annotations

@@ -1,19 +1,29 @@
 """A faster XLA (CPU) formulation of block-sparse decode attention.
 
-Same contract and result as :func:`sparrow_jax.attention.decode.sparse_decode_xla`; written
-after profiling a jitted decode step (score_pages + select_pages + attention) on XLA:CPU
-(B=8, H=8, Hkv=2, D=64, S=16, 64 selected pages, 16K context):
+Same contract as :func:`sparrow_jax.attention.decode.sparse_decode_xla` (the result differs
+only by float summation order); the CPU path of ``sparse_decode(impl="xla"|"auto")``.
+Written after profiling the jitted decode step (score_pages + select_pages + attention)
+on XLA:CPU, 2 cores:
 
-* With ``einsum`` consumers XLA pushes the ``[rows, S*D] -> [B, Hkv, T, D]`` reshape into the
-  gather's loop fusion, whose inner loop then runs over D=64 instead of S*D=1024 contiguous
-  values; each K/V gather took ~0.9-1.1 ms. Written as multiply + reduce, the consumers
-  (YNN fusions) take the ``[rows, 1, S*D]`` gather output as is and each gather takes
-  ~0.4-0.5 ms; the score product itself also gets cheaper (M = G = 4 rows is a poor matmul).
-* ``jnp.take``'s default ``mode='fill'`` adds an out-of-bounds compare and a NaN select per
-  gathered element; here invalid / out-of-range slots are pointed at page 0 first (and
-  masked), so the gather can promise in-bounds indices. (Measured effect: small.)
+* Rows, not tokens: the selected pages are gathered as rows of ``S*D`` contiguous values
+  from a ``[B*Hkv*P, S*D]`` view (one index per 4 KiB row, vectorised copy loop).
+* Multiply + reduce instead of ``einsum`` for q.K and P.V: the consumers are then YNN
+  fusions that take the ``[rows, 1, S*D]`` gather output as is. With a dot consumer XLA
+  folds the ``-> [B*Hkv, T, D]`` reshape into the gather fusion, whose loop then runs
+  over D=64 values per index and is emitted as scalar loads/stores (~2x slower gathers),
+  or inserts a relayout copy of the gathered block; either costs more than the dot saves.
+* In-bounds promise: invalid / out-of-range slots are pointed at page 0 first (and
+  masked), so the gather skips ``jnp.take``'s per-element bounds check and NaN fill.
+* Ascending page order: the N slots of each (row, KV head) are sorted by page index (one
+  int sort of [B, Hkv, N]; invalid slots sort last and are masked), so each row's cache
+  is read front to back instead of in score order. In the decode loop (caches far larger
+  than L3) this cut gather time by ~10-40% for ~8 us of sorting per layer.
 
-Measured full step at 16K: ~2.1 ms vs ~3.1 ms for ``sparse_decode_xla`` (dense ~8.9 ms).
+Tried and not kept (measured slower or no better in the decode loop): einsum / dot_general
+score in either operand order (relayout copies or scalar gathers, see above), a K/V
+gather with K and V of a page adjacent (8 KiB rows, via strided K/V views), pages stored
+with K transposed ([D, S], vertical score reduction: ~5%, not worth a layout that the
+Pallas kernels and tests do not use), splitting top_k by rows, int32 top_k keys.
 """
 from __future__ import annotations
 
@@ -44,9 +54,7 @@ def sparse_decode_xla_fast(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
     n = page_idx.shape[-1]
     groups = q.shape[1] // hkv
     scale = d ** -0.5 if scale is None else scale
-    idx = page_idx.astype(jnp.int32)
-    valid = page_valid.astype(bool) & (idx >= 0) & (idx < p)
-    idx = jnp.where(valid, idx, 0)  # every gathered row is in bounds
+    idx, valid = _sorted_selection(page_idx, page_valid, p)
     base = (jnp.arange(b, dtype=jnp.int32)[:, None] * hkv + jnp.arange(hkv, dtype=jnp.int32)[None]) * p
     flat = (base[..., None] + idx).reshape(-1)
     k = _gather_rows(k_pages.reshape(b * hkv * p, s * d), flat).reshape(b, hkv, n * s, d)
@@ -61,3 +69,13 @@ def sparse_decode_xla_fast(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
     probs = probs.astype(v.dtype).astype(jnp.float32)  # same rounding as the reference's P.V
     out = jnp.sum(probs[..., None] * v.astype(jnp.float32)[:, :, None], axis=-2)  # [B,Hkv,G,D]
     return out.reshape(q.shape).astype(q.dtype)
+
+
+def _sorted_selection(page_idx: jax.Array, page_valid: jax.Array, num_pages: int):
+    """[..., N] slots -> (idx, valid) with the valid in-range pages first, ascending; the rest
+    (invalid or out-of-range slots) last, marked invalid and pointing at page 0."""
+    idx = page_idx.astype(jnp.int32)
+    ok = page_valid.astype(bool) & (idx >= 0) & (idx < num_pages)
+    key = jnp.sort(jnp.where(ok, idx, num_pages), axis=-1)  # num_pages: a sentinel past every page
+    valid = key < num_pages
+    return jnp.where(valid, key, 0), valid

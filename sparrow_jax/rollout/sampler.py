@@ -112,7 +112,10 @@ def _decode_segment(state: _LoopState, params: Params, step_limit: jax.Array, ma
         return (s.step < step_limit) & ~jnp.all(s.done)
 
     def body(s: _LoopState):
-        key, sub = jax.random.split(s.key)
+        if sampling.temperature == 0.0:  # greedy draws no randomness: skip the threefry split
+            key = sub = s.key
+        else:
+            key, sub = jax.random.split(s.key)
         inputs = s.tokens[rows, s.pos]
         logits, caches = decode_step(config, params, inputs, s.pos, s.caches, schedule=schedule,
                                      k_max=k_max, impl=impl)
