@@ -1,0 +1,378 @@
+"""Calibrate a position-dependent sparsity schedule from measured acceptance-rate tails (Sparrow §4).
+
+For every candidate top-k budget, sparse rollouts are generated with that budget at every
+position, scored against the dense policy (exact per-token acceptance rate alpha_t, see
+:func:`sparrow_jax.mismatch.score_rollout`), and alpha is pooled per position bin. The
+result is a table ``budget x bin -> p5`` (plus mean and token count). The schedule is the
+cheapest one with ``p5 >= tau`` in every bin and budgets non-decreasing with position,
+found by the cost model's exact dynamic programme (:func:`sparrow_jax.cost_model.optimise_schedule`).
+
+Conventions:
+  * A completion token ``t`` is binned by the position of the query that produced it
+    (``t - 1``): that is the position whose budget ``schedule.topk_at`` sets in the sampler,
+    so a bin's statistic is governed by that bin's budget. Only completion tokens count
+    (prompt tokens are prefilled densely and never sampled).
+  * alpha is computed on the untruncated distributions at the sampling temperature
+    (temperature 1 when sampling greedily); top-k / top-p truncation is ignored.
+  * Bins where no budget has ``min_count`` tokens are "unmeasured" and inherit the budget
+    of the previous bin (bins before the first measured bin take the first measured bin's
+    budget). An entry with fewer than ``min_count`` tokens never counts as meeting tau.
+  * A bin where no budget reaches tau gets the largest budget and is reported in
+    ``flagged_bins`` (later bins then keep the largest budget too: non-decreasing).
+  * Every measurement reports ``scorer_logp_max_err``, the largest gap between the sampler's
+    log-prob of a sampled token and the sparse scorer's: ~1e-5 when they agree. The scorer
+    attends sparsely at prompt positions too, while the sampler prefills the prompt densely,
+    so with two or more sparse layers the gap (and the error in alpha) grows with the prompt.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from typing import Any, Sequence
+
+import jax
+import numpy as np
+
+from sparrow_jax.cost_model import optimise_schedule
+from sparrow_jax.mismatch.scorers import score_rollout
+from sparrow_jax.mismatch.tail import TailAccumulator
+from sparrow_jax.models.config import Qwen3Config
+from sparrow_jax.models.qwen3 import Params
+from sparrow_jax.rollout.sampler import SamplingParams, generate
+from sparrow_jax.rollout.schedule import SparsitySchedule
+
+DEFAULT_MIN_COUNT = 40  # tokens a bin needs before its 5th percentile is trusted
+
+
+def _scoring_temperature(sampling: SamplingParams) -> float:
+    return sampling.temperature if sampling.temperature > 0 else 1.0
+
+
+def measure_tail(config: Qwen3Config, params: Params, prompts: Sequence[Sequence[int]],
+                 schedule: SparsitySchedule, sampling: SamplingParams, samples_per_prompt: int,
+                 key: jax.Array, percentile: float = 5.0, pad_id: int = 0, batch_size: int = 64,
+                 sparse_params: Params | None = None) -> dict[str, Any]:
+    """Sparse rollouts under ``schedule`` -> per-bin tail of alpha over completion tokens.
+
+    Args:
+      prompts: token-id lists; each is sampled ``samples_per_prompt`` times.
+      schedule: the sparse actor's schedule (bins of ``schedule.bin_width`` tokens).
+      sparse_params: the sparse actor's params (default: ``params``, no LoRA).
+      batch_size: rows per generate/score call.
+    Returns dict: ``bin_starts`` int [n], ``p`` (percentile) float [n], ``mean`` float [n],
+    ``count`` int [n] over the non-empty bins; ``tokens`` (completion tokens), ``finished``
+    (share of rows that stopped), ``scorer_logp_max_err`` (max |sampler log-prob - scorer
+    sparse log-prob| over completion tokens; NaN when the sampler truncates or is greedy,
+    where the two need not agree), ``seconds``.
+    """
+    if samples_per_prompt < 1:
+        raise ValueError(f"samples_per_prompt must be >= 1, got {samples_per_prompt}")
+    if not prompts:
+        raise ValueError("calibration needs at least one prompt")
+    sparse_params = params if sparse_params is None else sparse_params
+    rows = [list(p) for p in prompts for _ in range(samples_per_prompt)]
+    acc = TailAccumulator(schedule.bin_width, q=(float(percentile),))
+    temperature = _scoring_temperature(sampling)
+    comparable = sampling.temperature > 0 and sampling.top_k == 0 and sampling.top_p >= 1.0
+    err, finished, t0 = 0.0, [], time.perf_counter()
+    for i in range(0, len(rows), batch_size):
+        batch = rows[i:i + batch_size]
+        # The same keys for every schedule (common random numbers): budgets differ less by chance.
+        out = generate(config, sparse_params, batch, jax.random.fold_in(key, i), sampling,
+                       schedule=schedule, pad_id=pad_id)
+        stats = score_rollout(config, params, sparse_params, jax.numpy.asarray(out.tokens),
+                              jax.numpy.asarray(out.prompt_lens),  # the prompt prefill is dense
+                              schedule=schedule, temperature=temperature, top_k=0)
+        alpha = np.asarray(stats["alpha"])
+        query_pos = np.broadcast_to(np.maximum(np.arange(alpha.shape[1]) - 1, 0), alpha.shape)
+        acc.update(alpha, query_pos, out.completion_mask)
+        if comparable and out.completion_mask.any():
+            diff = np.abs(np.asarray(stats["logp_sparse"]) - out.logprobs)[out.completion_mask]
+            err = max(err, float(diff.max()))
+        finished.append(out.finished)
+    res = acc.result()
+    return dict(bin_starts=res["bin_starts"], p=res["percentiles"][float(percentile)], mean=res["mean_by_bin"],
+                count=res["counts"], tokens=int(acc.num_tokens),
+                finished=float(np.mean(np.concatenate(finished))),
+                scorer_logp_max_err=err if comparable else math.nan, seconds=time.perf_counter() - t0)
+
+
+def fixed_schedule(base: SparsitySchedule, topk: int) -> SparsitySchedule:
+    """``base`` (page size, bins, reserved pages, dense layers, selector) with one top-k everywhere."""
+    return dataclasses.replace(base, topk=(int(topk),), name=f"fixed-topk{int(topk)}", meta=None)
+
+
+def _check_budgets(budgets: Sequence[int]) -> list[int]:
+    ks = [int(k) for k in budgets]
+    if not ks:
+        raise ValueError("budgets: expected at least one top-k value, got none")
+    if any(k < 0 for k in ks) or len(set(ks)) != len(ks) or ks != sorted(ks):
+        raise ValueError(f"budgets: expected distinct non-negative top-k values in increasing order, got {ks}")
+    return ks
+
+
+def derive_topk(config: Qwen3Config, budgets: Sequence[int], p5: np.ndarray, count: np.ndarray, tau: float,
+                schedule_base: SparsitySchedule, *, min_count: int = DEFAULT_MIN_COUNT, num_samples: int = 8,
+                prompt_len: int = 1, gen_len: int = 1, hardware: str = "cpu") -> dict[str, Any]:
+    """Cheapest non-decreasing top-k per bin with ``p5 >= tau`` (see the module docstring).
+
+    Args:
+      budgets: K increasing top-k values; p5, count: [K, n_bins] (NaN / 0 where no tokens).
+      num_samples, prompt_len, gen_len, hardware: the rollout the cost model prices (decode
+        steps at positions ``prompt_len .. prompt_len + gen_len - 2``).
+    Returns dict: ``topk`` list [n_bins], ``flagged_bins`` (no budget met tau),
+    ``inherited_bins`` (unmeasured), ``cost_s`` (cost-model decode time).
+    """
+    ks = _check_budgets(budgets)
+    p5, count = np.asarray(p5, np.float64), np.asarray(count)
+    if p5.ndim != 2 or p5.shape[0] != len(ks) or count.shape != p5.shape:
+        raise ValueError(f"p5 and count: expected shape [{len(ks)}, n_bins], got {p5.shape} and {count.shape}")
+    if not 0.0 < tau <= 1.0:
+        raise ValueError(f"tau: expected a value in (0, 1], got {tau}")
+    reliable = count >= min_count
+    feasible = reliable & (np.nan_to_num(p5, nan=-1.0) >= tau)
+    measured = reliable.any(axis=0)
+    flagged = [b for b in range(p5.shape[1]) if measured[b] and not feasible[:, b].any()]
+    for b in flagged:
+        feasible[-1, b] = True  # nothing reaches tau: the largest budget, flagged
+    inherited = [b for b in range(p5.shape[1]) if not measured[b]]
+    feasible[:, inherited] = True  # any budget: the optimiser keeps the previous bin's (cheapest)
+    if not measured.any():
+        raise ValueError(f"no bin has >= {min_count} completion tokens for any budget; "
+                         f"sample more prompts or lower min_count")
+    # The optimiser takes a p5 table and tau; feasibility as 1/0 with tau 0.5 is the same rule.
+    sched, cost = optimise_schedule(
+        config, {k: feasible[i].astype(np.float64) for i, k in enumerate(ks)}, 0.5,
+        num_samples=max(1, int(num_samples)), prompt_len=max(1, int(prompt_len)), gen_len=max(1, int(gen_len)),
+        hardware=hardware, bin_width=schedule_base.bin_width, page_size=schedule_base.page_size,
+        dense_layers=[d for d in schedule_base.dense_layers if d < config.num_hidden_layers],
+        reserved_first=schedule_base.reserved_first, reserved_last=schedule_base.reserved_last,
+        selector=schedule_base.selector)
+    topk = list(sched.topk)
+    first = int(np.argmax(measured))
+    topk[:first] = [topk[first]] * first  # no data before the first measured bin: take its budget
+    return dict(topk=topk, flagged_bins=flagged, inherited_bins=inherited, cost_s=cost)
+
+
+def calibrate(config: Qwen3Config, params: Params, prompts: Sequence[Sequence[int]], budgets: Sequence[int],
+              tau: float, schedule_base: SparsitySchedule, sampling: SamplingParams, samples_per_prompt: int,
+              key: jax.Array, percentile: float = 5.0, *, min_count: int = DEFAULT_MIN_COUNT,
+              hardware: str = "cpu", pad_id: int = 0, batch_size: int = 64, progress: bool = False,
+              sparse_params: Params | None = None) -> dict[str, Any]:
+    """Measure the budget x bin tail table and derive the calibrated schedule.
+
+    Args:
+      prompts: token-id lists (spread their lengths so completions cover every bin).
+      budgets: increasing top-k values (pages) to measure, each as a fixed-budget schedule
+        built from ``schedule_base`` (page size, bin width, reserved pages, dense layers,
+        selector).
+      tau: target percentile acceptance rate per bin (the paper's 0.86 for p5).
+      sampling: how the sparse actor samples (``stop_ids`` should hold the EOS).
+      percentile: the tail percentile (5 = the paper's p5).
+      min_count: completion tokens a (budget, bin) entry needs to count.
+    Returns dict:
+      ``schedule``: the SparsitySchedule (``meta``: tau, percentile, min_count, table,
+        flagged/inherited bins);
+      ``table``: dict(budgets [K], bin_width, bin_starts [n], p5 / mean [K][n] (NaN: no
+        tokens), count [K][n], percentile);
+      ``flagged_bins``, ``inherited_bins``, ``cost_s``, ``per_budget`` (tokens, finished,
+        scorer_logp_max_err, seconds per budget).
+    """
+    ks = _check_budgets(budgets)
+    if not 0.0 < percentile < 100.0:
+        raise ValueError(f"percentile: expected a value in (0, 100), got {percentile}")
+    measured = {}
+    for k in ks:
+        measured[k] = measure_tail(config, params, prompts, fixed_schedule(schedule_base, k), sampling,
+                                   samples_per_prompt, key, percentile, pad_id=pad_id, batch_size=batch_size,
+                                   sparse_params=sparse_params)
+        if progress:
+            m = measured[k]
+            print(f"[calibrate] top-k {k}: {m['tokens']} tokens, min p{percentile:g} "
+                  f"{np.min(m['p']):.4f}, {m['seconds']:.1f}s", flush=True)
+    n_bins = 1 + max(int(m["bin_starts"].max()) // schedule_base.bin_width for m in measured.values()
+                     if m["bin_starts"].size)
+    p5 = np.full((len(ks), n_bins), np.nan)
+    mean = np.full((len(ks), n_bins), np.nan)
+    count = np.zeros((len(ks), n_bins), np.int64)
+    for i, k in enumerate(ks):
+        b = measured[k]["bin_starts"] // schedule_base.bin_width
+        p5[i, b], mean[i, b], count[i, b] = measured[k]["p"], measured[k]["mean"], measured[k]["count"]
+    lens = [len(p) for p in prompts]
+    derived = derive_topk(config, ks, p5, count, tau, schedule_base, min_count=min_count,
+                          num_samples=len(prompts) * samples_per_prompt, prompt_len=min(lens),
+                          gen_len=max(lens) - min(lens) + sampling.max_new_tokens, hardware=hardware)
+    table = dict(budgets=ks, bin_width=schedule_base.bin_width,
+                 bin_starts=[b * schedule_base.bin_width for b in range(n_bins)], percentile=float(percentile),
+                 p5=_nan_to_none(p5), mean=_nan_to_none(mean), count=count.tolist())
+    meta = dict(tau=float(tau), percentile=float(percentile), min_count=int(min_count), table=table,
+                flagged_bins=derived["flagged_bins"], inherited_bins=derived["inherited_bins"])
+    schedule = dataclasses.replace(schedule_base, topk=tuple(derived["topk"]), name=f"calibrated-tau{tau:g}",
+                                   meta=meta)
+    per_budget = {str(k): {f: measured[k][f] for f in ("tokens", "finished", "scorer_logp_max_err", "seconds")}
+                  for k in ks}
+    return dict(schedule=schedule, table=table, flagged_bins=derived["flagged_bins"],
+                inherited_bins=derived["inherited_bins"], cost_s=derived["cost_s"], per_budget=per_budget)
+
+
+def validate(config: Qwen3Config, params: Params, prompts: Sequence[Sequence[int]], schedule: SparsitySchedule,
+             sampling: SamplingParams, samples_per_prompt: int, key: jax.Array, percentile: float = 5.0, *,
+             tau: float | None = None, margin: float = 0.02, min_count: int = DEFAULT_MIN_COUNT,
+             pad_id: int = 0, batch_size: int = 64, sparse_params: Params | None = None) -> dict[str, Any]:
+    """Per-bin tail of a (calibrated) schedule on fresh prompts.
+
+    Returns dict: ``bin_starts``, ``p5``, ``mean``, ``count`` (lists over non-empty bins),
+    ``min_p5`` over bins with >= ``min_count`` tokens, and, with ``tau``, ``meets`` per bin
+    (``p5 >= tau - margin``, None for bins under ``min_count``) and ``ok`` (all measured bins meet).
+    """
+    m = measure_tail(config, params, prompts, schedule, sampling, samples_per_prompt, key, percentile,
+                     pad_id=pad_id, batch_size=batch_size, sparse_params=sparse_params)
+    reliable = m["count"] >= min_count
+    out = dict(bin_starts=m["bin_starts"].tolist(), p5=m["p"].tolist(), mean=m["mean"].tolist(),
+               count=m["count"].tolist(), percentile=float(percentile),
+               min_p5=float(m["p"][reliable].min()) if reliable.any() else math.nan,
+               scorer_logp_max_err=m["scorer_logp_max_err"], seconds=m["seconds"])
+    if tau is not None:
+        meets = [bool(p >= tau - margin) if r else None for p, r in zip(m["p"], reliable)]
+        out.update(tau=float(tau), margin=float(margin), meets=meets,
+                   ok=all(x for x in meets if x is not None))
+    return out
+
+
+def _nan_to_none(x: np.ndarray) -> list:
+    """[K, n] floats -> nested lists with None for NaN (plain JSON, loadable by json.load)."""
+    return [[None if not np.isfinite(v) else float(v) for v in row] for row in np.asarray(x)]
+
+
+# ---- a whole calibration run from a run config (experiments.calibrate, experiments.run) ------
+
+def spread_context_lengths(context_tokens: int, n: int, min_context: int | None = None) -> list[int]:
+    """``n`` context lengths evenly spread over ``[min_context, context_tokens]``.
+
+    Completion tokens sit right after the prompt, so prompts of one length would put every
+    completion token in one position bin; spreading the lengths covers every bin up to the
+    task's context. Default ``min_context``: ``max(32, context_tokens // 8)``.
+    """
+    lo = max(32, context_tokens // 8) if min_context is None else int(min_context)
+    lo = min(lo, context_tokens)
+    if n == 1:
+        return [int(context_tokens)]
+    return [int(round(lo + (context_tokens - lo) * i / (n - 1))) for i in range(n)]
+
+
+def task_prompts(cfg, tokenizer, n: int, seed: int) -> tuple[list[dict], list[list[int]]]:
+    """``n`` task examples at spread context lengths and their prompt token ids."""
+    from sparrow_jax.data.registry import get_task
+
+    t = cfg.task
+    task = get_task(t.name)
+    if t.dataset or task.generate is None:
+        raise ValueError(f"calibration generates its prompts: task {t.name!r} needs a generator and "
+                         f"task.dataset must be empty (got {t.dataset!r})")
+    examples = [task.generate(1, seed * 100_003 + i, context_tokens=c, hops=t.hops,
+                              distractor_frac=t.distractor_frac)[0]
+                for i, c in enumerate(spread_context_lengths(int(t.context_tokens), n))]
+    return examples, [tokenizer.encode(task.format_prompt(ex, tokenizer)) for ex in examples]
+
+
+def _schedule_base(cfg) -> SparsitySchedule:
+    s = cfg.schedule
+    return SparsitySchedule(topk=(0,), bin_width=s.bin_width, page_size=s.page_size,
+                            reserved_first=s.reserved_first, reserved_last=s.reserved_last,
+                            dense_layers=tuple(s.dense_layers), selector=s.selector)
+
+
+def calibrate_run(cfg, progress: bool = True) -> dict[str, Any]:
+    """Calibrate the run config's model and write ``<workdir>/schedule.json``,
+    ``calibration.json`` and ``p5_by_position.png``.
+
+    The model is built exactly as the RL trainer builds it (``model.source``: tiny / hf /
+    warmup, see :func:`sparrow_jax.rl.trainer.build_model`), so the schedule fits the model
+    RL will run. Prompts: ``calibration.num_prompts`` task prompts at context lengths spread
+    up to ``task.context_tokens`` (seed ``task.seed + 1``), validated on
+    ``calibration.validate_prompts`` fresh ones (seed ``task.seed + 2``).
+    Returns dict: schedule, table, validation, per_budget, flagged_bins, inherited_bins,
+    schedule_path, table_path, png, seconds.
+    """
+    import os
+
+    from sparrow_jax.io import atomic_write_json
+    from sparrow_jax.io.plots import plot_p5_by_position
+    from sparrow_jax.models.tokenizer import load_tokenizer
+    from sparrow_jax.rl.trainer import build_model  # one place that turns a config into a model
+
+    t0 = time.perf_counter()
+    cal, m = cfg.calibration, cfg.model
+    tok_spec = m.hf_dir if m.source == "hf" and cfg.tokenizer == "builtin" else cfg.tokenizer
+    tokenizer = load_tokenizer(tok_spec)
+    config, params = build_model(cfg, tokenizer)
+    load_s = time.perf_counter() - t0
+    base = _schedule_base(cfg)
+    bad = [d for d in base.dense_layers if d >= config.num_hidden_layers]
+    if bad:
+        raise ValueError(f"schedule.dense_layers {list(base.dense_layers)} name layers past the model's "
+                         f"{config.num_hidden_layers}")
+    r = cfg.rollout
+    sampling = SamplingParams(max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p,
+                              top_k=r.top_k, stop_ids=tuple(tokenizer.stop_ids))
+    _, prompts = task_prompts(cfg, tokenizer, int(cal.num_prompts), int(cfg.task.seed) + 1)
+    _, fresh = task_prompts(cfg, tokenizer, int(cal.validate_prompts), int(cfg.task.seed) + 2)
+    min_count = int(cal.get("min_count", DEFAULT_MIN_COUNT))
+    key = jax.random.PRNGKey(int(cfg.seed))
+    if progress:
+        print(f"[calibrate] {config.num_params():,} params ({m.source}), {len(prompts)} prompts of "
+              f"{min(map(len, prompts))}-{max(map(len, prompts))} tokens x {cal.samples_per_prompt} samples, "
+              f"budgets {list(cal.budgets)}, tau {cal.tau}", flush=True)
+    result = calibrate(config, params, prompts, cal.budgets, float(cal.tau), base, sampling,
+                       int(cal.samples_per_prompt), jax.random.fold_in(key, 1), float(cal.percentile),
+                       min_count=min_count, pad_id=tokenizer.pad_id, progress=progress)
+    schedule = result["schedule"]
+    validation = validate(config, params, fresh, schedule, sampling, int(cal.samples_per_prompt),
+                          jax.random.fold_in(key, 2), float(cal.percentile), tau=float(cal.tau),
+                          min_count=min_count, pad_id=tokenizer.pad_id)
+    seconds = time.perf_counter() - t0
+
+    os.makedirs(cfg.workdir, exist_ok=True)
+    schedule_path = os.path.join(cfg.workdir, "schedule.json")
+    table_path = os.path.join(cfg.workdir, "calibration.json")
+    png = os.path.join(cfg.workdir, "p5_by_position.png")
+    table = result["table"]
+    series = {f"top-k {k} ({(k + base.reserved) * base.page_size} tok)":
+              (table["bin_starts"], [np.nan if v is None else v for v in table["p5"][i]])
+              for i, k in enumerate(table["budgets"])}
+    series["calibrated (fresh prompts)"] = (validation["bin_starts"], validation["p5"])
+    plot_p5_by_position(series, float(cal.tau), png,
+                        title=f"p{cal.percentile:g} of acceptance rate by position ({m.source} model)")
+    atomic_write_json(table_path, dict(
+        tau=float(cal.tau), min_count=min_count, model_source=m.source,
+        num_params=config.num_params(), **table, schedule_topk=list(schedule.topk),
+        flagged_bins=result["flagged_bins"], inherited_bins=result["inherited_bins"],
+        per_budget=result["per_budget"], validation=validation, seconds=round(seconds, 1),
+        load_seconds=round(load_s, 1)))
+    atomic_write_json(schedule_path, schedule.to_dict())  # crash-safe; same content as to_json
+    return dict(result, validation=validation, schedule_path=schedule_path, table_path=table_path, png=png,
+                seconds=seconds)
+
+
+def format_report(result: dict[str, Any]) -> str:
+    """Human-readable table: p5 (and mean) per bin for every budget, the schedule, validation."""
+    table, val = result["table"], result["validation"]
+    q = f"p{table['percentile']:g}"
+    starts = table["bin_starts"]
+    fmt = lambda v: "   -  " if v is None else f"{v:.4f}"
+    lines = [f"{q} of alpha by position bin (columns: bin start; 'tokens': completion tokens of the first budget)",
+             "top-k   " + " ".join(f"{s:>7d}" for s in starts)]
+    for i, k in enumerate(table["budgets"]):
+        lines.append(f"{k:>5d}   " + " ".join(f"{fmt(v):>7s}" for v in table["p5"][i]))
+    lines.append("tokens  " + " ".join(f"{c:>7d}" for c in table["count"][0]))
+    lines.append("mean alpha by bin (same budgets)")
+    for i, k in enumerate(table["budgets"]):
+        lines.append(f"{k:>5d}   " + " ".join(f"{fmt(v):>7s}" for v in table["mean"][i]))
+    lines.append(f"schedule topk by bin: {list(result['schedule'].topk)}  flagged bins: {result['flagged_bins']}"
+                 f"  inherited bins: {result['inherited_bins']}")
+    lines.append(f"validation on fresh prompts (tau {val.get('tau')}, pass if {q} >= tau - {val.get('margin')}):")
+    for s, p, c, ok in zip(val["bin_starts"], val["p5"], val["count"], val.get("meets", [None] * len(val["p5"]))):
+        verdict = "ok" if ok else ("FAIL" if ok is False else "few tokens")
+        lines.append(f"  bin {s:>6d}: {q} {p:.4f}  tokens {c:>5d}  {verdict}")
+    return "\n".join(lines)
