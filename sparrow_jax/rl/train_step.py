@@ -104,19 +104,28 @@ def _policy_loss(params, config: Qwen3Config, mb: Batch, opts: StepOptions):
     return loss, (metrics, jax.lax.stop_gradient(hidden), logp_old)
 
 
-def _alpha_stats(config, params, sparse_params, tokens, prompt_lens, hidden_dense, schedule, opts):
-    """Exact per-token acceptance rate of the sparse actor vs the dense policy. -> [B, T]"""
-    h_sparse = sparse_hidden(config, sparse_params, tokens, schedule, prompt_lens=prompt_lens)
-    w_dense, w_sparse = unembedding(config, params), unembedding(config, sparse_params)
+def _per_token_mismatch(h_dense, h_sparse, w_dense, w_sparse, tokens, opts: StepOptions):
+    """Exact alpha, KL(dense || sparse) and dense log-prob of each token, chunked. -> 3 x [B, T]
+
+    Differentiable w.r.t. ``h_sparse`` / ``w_sparse`` (DistillSparse's exact KL); callers
+    stop gradients where they want none.
+    """
     t = opts.temperature
 
     def chunk(hp, hq, tok):
         s = mismatch_stats(hp / t, hq / t, w_dense, sampled_tokens=tok, unembed_q=w_sparse)
-        return s["alpha"], s["kl"]
+        return s["alpha"], s["kl"], s["logp_p_sampled"]
 
-    alpha, kl = _chunked_over_sequence(chunk, hidden_dense[:, :-1], jax.lax.stop_gradient(h_sparse[:, :-1]),
-                                       tokens[:, 1:], seq_chunk=opts.seq_chunk)
-    return _shift(alpha), _shift(kl)
+    out = _chunked_over_sequence(chunk, h_dense[:, :-1], h_sparse[:, :-1], tokens[:, 1:], seq_chunk=opts.seq_chunk)
+    return tuple(_shift(x) for x in out)
+
+
+def _alpha_stats(config, params, sparse_params, tokens, prompt_lens, hidden_dense, schedule, opts):
+    """Exact per-token acceptance rate and KL of the sparse actor vs the dense policy. -> 2 x [B, T]"""
+    h_sparse = jax.lax.stop_gradient(sparse_hidden(config, sparse_params, tokens, schedule, prompt_lens=prompt_lens))
+    alpha, kl, _ = _per_token_mismatch(hidden_dense, h_sparse, unembedding(config, params),
+                                       unembedding(config, sparse_params), tokens, opts)
+    return alpha, kl
 
 
 def _lora_loss(lora, base_params, config: Qwen3Config, lora_cfg: LoraConfig, batch: Batch, hidden_dense,
@@ -136,14 +145,8 @@ def _lora_loss(lora, base_params, config: Qwen3Config, lora_cfg: LoraConfig, bat
     ppo, _ = grpo_loss(logp_sparse, logp_sparse_old, batch.advantages, batch.mask, clip_low=opts.clip_low,
                        clip_high=opts.clip_high, is_weights=weights, agg=opts.loss_agg)
 
-    def chunk(hp, hq, tok):
-        st = mismatch_stats(hp / t, hq / t, w_dense, sampled_tokens=tok, unembed_q=w_sparse)
-        return st["alpha"], st["kl"], st["logp_p_sampled"]
-
-    alpha, kl_exact, logp_dense = _chunked_over_sequence(
-        chunk, jax.lax.stop_gradient(hidden_dense[:, :-1]), h_sparse[:, :-1], batch.tokens[:, 1:],
-        seq_chunk=opts.seq_chunk)
-    alpha, kl_exact, logp_dense = _shift(alpha), _shift(kl_exact), _shift(logp_dense)
+    alpha, kl_exact, logp_dense = _per_token_mismatch(jax.lax.stop_gradient(hidden_dense), h_sparse, w_dense,
+                                                      w_sparse, batch.tokens, opts)
     if distill.kl == "exact":
         kl_tok = kl_exact
     else:  # k3 on sampled tokens with r = p_dense / p_sparse, as in the paper's release
