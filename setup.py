@@ -32,7 +32,7 @@ setup(
     extras_require={
         "test": TEST + HF,
         "hf": HF,
-        "gpu": ["jax[cuda12]"],
+        "gpu": ["jax[cuda13]"],
         "triton": ["jax-triton"],  # optional, guarded import: not every jax version works with it
         "tpu": ["jax[tpu]"],
     },

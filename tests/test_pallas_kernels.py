@@ -213,3 +213,23 @@ def test_triton_path_is_guarded():
         idx, valid = _select("gqa4", budget=np.array([1, 1, 1]), seed=7)
         with pytest.raises(RuntimeError, match="jax-triton"):
             sparse_decode_triton(q, k, v, idx, valid, POSITIONS)
+
+
+def test_device_check_script_agrees_on_cpu_and_catches_wrong_selection():
+    """experiments.check_kernels (run on GPUs) passes the kernel here and its reference is discriminating."""
+    from experiments.check_kernels import SMALL_SHAPES, check_case, make_case, reference_attention
+
+    row = check_case("pallas_gpu", SMALL_SHAPES["small"], "float32", seed=3, time_it=False)
+    assert row["ok"] and row["rel_err"] < 1e-5 and row["rel_err_full_budget_vs_dense"] < 1e-5
+    assert 0 < row["selected_pages_per_head"] < SMALL_SHAPES["small"][-1] // 16  # really sparse
+    b, h, hkv, d, ctx = SMALL_SHAPES["small"]
+    case = make_case(b, h, hkv, d, ctx, jnp.float32, seed=3)
+    k = np.asarray(case["k"]).reshape(b, hkv, ctx, d)
+    v = np.asarray(case["v"]).reshape(b, hkv, ctx, d)
+    mask = np.ones((b, hkv, ctx), bool)
+    ref = reference_attention(np.asarray(case["q"]), k, v, mask, d ** -0.5)
+    np.testing.assert_allclose(ref, np.asarray(dense_decode(case["q"], case["k"], case["v"], jnp.full((b,), ctx - 1))),
+                               rtol=1e-5, atol=1e-6)
+    mask[:, :, ctx // 2:] = False  # a different selection must give a clearly different answer
+    other = reference_attention(np.asarray(case["q"]), k, v, mask, d ** -0.5)
+    assert np.linalg.norm(other - ref) / np.linalg.norm(ref) > 1e-2

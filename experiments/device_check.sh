@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# One prepared run on a lent GPU: the Pallas GPU kernel (compiled, not interpreted) against a
+# float64 reference, then the attention and rollout benchmarks on the GPU, then the test
+# suite under that machine's jax on its CPU backend (checks the newer jax; CI covers the
+# older one). Every step has its own time limit, so one slow step cannot hide the rest.
+#
+#   OUT=runs/device bash experiments/device_check.sh
+#
+# Wheels of packages the device image lacks may sit in .whl/ (see notes/DEVICE.md; carry .whl).
+set -uo pipefail
+OUT=${OUT:-runs/device}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
+if compgen -G ".whl/*.whl" >/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=/tmp/site
+fi
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+
+{ nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv
+  python3 -c "import jax, jaxlib; print('jax', jax.__version__, jaxlib.__version__, jax.devices())"
+  nproc; } 2>&1 | tee "$OUT/env.txt"
+
+step() {  # step NAME SECONDS CMD...: run with a time limit, log to $OUT/NAME.log
+  local name=$1 limit=$2; shift 2
+  echo "=== $name (limit ${limit}s)"
+  local t0=$SECONDS
+  timeout "$limit" "$@" 2>&1 | tee "$OUT/$name.log" | grep -v "^WARNING\|^I0000\|^W0000" | tail -n 40
+  echo "=== $name rc=${PIPESTATUS[0]} in $((SECONDS - t0))s"
+}
+
+step check_kernels 120 python3 -m experiments.check_kernels --impls pallas_gpu xla triton reference
+step bench_attention 120 python3 -m experiments.bench_attention --repeats 20 --out "$OUT/bench_attention.json"
+step bench_rollout 180 python3 -m experiments.bench_rollout --out "$OUT/bench_rollout.json"
+step pytest_cpu 150 env JAX_PLATFORMS=cpu python3 -m pytest -n 8 -q -p no:cacheprovider tests \
+  --ignore=tests/test_notebooks.py
