@@ -27,7 +27,7 @@ setup(
     description="Sparse-rollout RL for long-context LLMs (Sparrow) in JAX: CPU, GPU, TPU.",
     python_requires=">=3.11",
     packages=find_packages(include=["sparrow_jax*", "pallas_kernels*", "configs*", "experiments*"]),
-    package_data={"sparrow_jax": ["rollout/presets/*.json"]},
+    package_data={"sparrow_jax": ["rollout/presets/*.json", "attention/cpu_kernel/*.cc"]},
     install_requires=CORE,
     extras_require={
         "test": TEST + HF,

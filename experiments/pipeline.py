@@ -61,8 +61,21 @@ def _tail_on_heldout(cfg: ConfigDict, result_or_none, schedule, actor_params=Non
         worker, config, params = result_or_none["worker"], result_or_none["config"], result_or_none["params"]
         eval_rows = result_or_none["eval_rows"]
     tail = actor_tail(worker, config, params, actor_params if actor_params is not None else params, eval_rows,
-                      schedule, cfg.calibration.tau, jax.random.PRNGKey(cfg.seed + 99))
+                      schedule, cfg.calibration.tau, jax.random.PRNGKey(cfg.seed + 99),
+                      samples=cfg.distill.eval_samples)
     return {"bin_starts": tail["bin_starts"], "p5": tail["p5"], "mean": tail["mean"], "count": tail["count"]}
+
+
+def _dense_policy_eval(cfg: ConfigDict, result: dict) -> dict:
+    """mean@k / pass@k of the final dense policy with dense rollouts on the held-out prompts."""
+    from sparrow_jax.rl.trainer import evaluate
+
+    worker = result["worker"]
+    saved, worker.schedule = worker.schedule, None
+    try:
+        return evaluate(worker, result["params"], result["eval_rows"], cfg.eval_k, jax.random.PRNGKey(cfg.seed + 7))
+    finally:
+        worker.schedule = saved
 
 
 def _update_cost(history) -> float:
@@ -71,12 +84,23 @@ def _update_cost(history) -> float:
 
 
 def distill_report(cfg: ConfigDict, result: dict) -> dict:
-    """p5 before/after DistillSparse on the same held-out prompts, and the reward vs a no-LoRA run."""
+    """p5 before/after DistillSparse on the same held-out prompts, and the reward vs a no-LoRA run.
+
+    ``p5_before``: the initial model's sparse actor; ``p5_after``: the final sparse actor (final
+    policy + LoRA); ``p5_after_without_lora``: the final policy's sparse actor without the
+    LoRA, which separates what the LoRA did from how the policy moved.
+    """
     schedule = result["schedule"]
     before = _tail_on_heldout(cfg, None, schedule)
     after = _tail_on_heldout(cfg, result, schedule, result["distiller"].actor_params(result["params"]))
-    out = {"p5_before": before["p5"], "p5_after": after["p5"], "bin_starts": after["bin_starts"],
-           "tail_before": before, "tail_after": after}
+    without = _tail_on_heldout(cfg, result, schedule)
+    out = {"p5_before": before["p5"], "p5_after": after["p5"], "p5_after_without_lora": without["p5"],
+           "bin_starts": after["bin_starts"], "tail_before": before, "tail_after": after,
+           "tail_after_without_lora": without}
+    rows = [f"{'bin':>6} {'before':>8} {'after':>8} {'no LoRA':>8}"]
+    rows += [f"{start:>6} {b:8.3f} {a:8.3f} {w:8.3f}"
+             for start, b, a, w in zip(after["bin_starts"], before["p5"], after["p5"], without["p5"])]
+    print("[distill] held-out p5 of the sparse actor\n" + "\n".join(rows), flush=True)
     if cfg.distill.compare_without:
         plain_cfg = ConfigDict(cfg.to_dict())
         plain_cfg.distill.enabled = False
@@ -84,6 +108,9 @@ def distill_report(cfg: ConfigDict, result: dict) -> dict:
         plain = train(plain_cfg, schedule=schedule)
         out["reward_with"] = [h["reward_mean"] for h in result["history"]]
         out["reward_without"] = [h["reward_mean"] for h in plain["history"]]
+        out["final_eval_without"] = plain["final_eval"]
+        out["dense_eval_with"] = _dense_policy_eval(cfg, result)
+        out["dense_eval_without"] = _dense_policy_eval(cfg, plain)
         out["update_cost_ratio"] = _update_cost(result["history"]) / _update_cost(plain["history"])
         steps = [h["step"] for h in result["history"]]
         plot_curves({"DistillSparse": (steps, out["reward_with"]), "no LoRA": (steps, out["reward_without"])},

@@ -21,7 +21,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_kernels.sparse_decode_tpu import MASK_VALUE, check_decode_inputs, compact_selection
+from pallas_kernels.sparse_decode_tpu import MASK_VALUE, compact_selection
+from sparrow_jax.attention.decode import check_decode_inputs
 
 
 def _next_pow2(x: int) -> int:

@@ -25,36 +25,14 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from sparrow_jax.attention.decode import check_decode_inputs
+
 # Large negative logit for masked keys; finite so that max/exp never see inf - inf.
 MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 
 # Names moved across jax versions; resolve once, preferring the current stable spelling.
 _ANY = getattr(pl, "ANY", None) or getattr(pltpu, "ANY", None) or pltpu.TPUMemorySpace.ANY
 _CompilerParams = getattr(pltpu, "CompilerParams", None) or getattr(pltpu, "TPUCompilerParams")
-
-
-def check_decode_inputs(q, k_pages, v_pages, page_idx, page_valid, positions) -> None:
-    """Raise ValueError naming the tensor whose shape or dtype breaks the decode contract."""
-    if q.ndim != 3:
-        raise ValueError(f"q must be [B, H, D], got shape {q.shape}")
-    if k_pages.ndim != 5:
-        raise ValueError(f"k_pages must be [B, Hkv, P, S, D], got shape {k_pages.shape}")
-    if v_pages.shape != k_pages.shape:
-        raise ValueError(f"v_pages shape {v_pages.shape} must equal k_pages shape {k_pages.shape}")
-    b, h, d = q.shape
-    kb, hkv, _, _, kd = k_pages.shape
-    if (kb, kd) != (b, d):
-        raise ValueError(f"k_pages batch/head_dim {(kb, kd)} must match q's {(b, d)}")
-    if h % hkv:
-        raise ValueError(f"query heads H={h} must be a multiple of KV heads Hkv={hkv}")
-    if page_idx.ndim != 3 or page_idx.shape[:2] != (b, hkv):
-        raise ValueError(f"page_idx must be [B={b}, Hkv={hkv}, N], got shape {page_idx.shape}")
-    if page_valid.shape != page_idx.shape:
-        raise ValueError(f"page_valid shape {page_valid.shape} must equal page_idx shape {page_idx.shape}")
-    if not jnp.issubdtype(page_idx.dtype, jnp.integer):
-        raise ValueError(f"page_idx must be an integer array, got dtype {page_idx.dtype}")
-    if positions.shape != (b,):
-        raise ValueError(f"positions must be [B={b}], got shape {positions.shape}")
 
 
 def compact_selection(page_idx, page_valid, num_pages: int, pages_per_block: int):

@@ -15,7 +15,8 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.sparse_decode_tpu import check_decode_inputs, compact_selection
+from pallas_kernels.sparse_decode_tpu import compact_selection
+from sparrow_jax.attention.decode import check_decode_inputs
 
 
 @functools.lru_cache(maxsize=None)

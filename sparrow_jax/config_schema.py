@@ -9,18 +9,21 @@ CHOICES = {
     "model.param_dtype": ("float32", "bfloat16"),
     "schedule.kind": ("dense", "fixed", "preset", "json", "calibrated"),
     "schedule.selector": ("centroid", "quest"),
-    "schedule.impl": ("auto", "reference", "xla", "pallas_tpu", "pallas_gpu", "triton"),
+    "schedule.impl": ("auto", "reference", "xla", "cpu", "pallas_tpu", "pallas_gpu", "triton"),
     "train.adv_mode": ("grpo", "drgrpo"),
     "train.loss_agg": ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum"),
     "train.tis_level": ("token", "sequence"),
     "train.kl_kind": ("k1", "k2", "k3"),
+    "distill.kl": ("exact", "exact_reverse", "k3"),
 }
 POSITIVE = ("steps", "checkpoint_every", "keep_checkpoints", "eval_k", "rollout.prompts_per_step",
             "rollout.group_size", "rollout.max_new_tokens", "schedule.page_size", "schedule.bin_width",
-            "train.micro_batches", "task.num_train", "task.num_eval", "mesh.data", "mesh.fsdp", "mesh.tensor")
+            "train.micro_batches", "task.num_train", "task.num_eval", "mesh.data", "mesh.fsdp", "mesh.tensor",
+            "distill.eval_samples")
 NON_NEGATIVE = ("eval_every", "rollout.temperature", "rollout.top_k", "schedule.topk", "schedule.reserved_first",
                 "schedule.reserved_last", "train.learning_rate", "train.max_grad_norm", "train.clip_low",
-                "train.clip_high", "train.dual_clip", "train.tis_cap", "train.kl_coef", "train.entropy_coef")
+                "train.clip_high", "train.dual_clip", "train.tis_cap", "train.kl_coef", "train.entropy_coef",
+                "distill.learning_rate", "distill.kl_coef", "distill.tis_cap")
 
 
 class ConfigError(ValueError):

@@ -172,9 +172,16 @@ def test_small_budget_matches_reference(decode_fns, jit_select, groups, impl):
     assert np.abs(out[2] - dense[2]).max() > 1e-2
 
 
-def test_resolve_impl():
-    assert resolve_impl("auto") == {"tpu": "pallas_tpu", "gpu": "pallas_gpu"}.get(jax.default_backend(), "xla")
+def test_resolve_impl(monkeypatch):
+    from sparrow_jax.attention import cpu_kernel
+
+    backend = jax.default_backend()
+    on_cpu = "cpu" if cpu_kernel.cpu_kernel_available() else "xla"
+    assert resolve_impl("auto") == {"tpu": "pallas_tpu", "gpu": "pallas_gpu"}.get(backend, on_cpu)
     assert resolve_impl("xla") == "xla"
+    if backend == "cpu":  # no compiler / failed build: auto falls back to the XLA path
+        monkeypatch.setattr(cpu_kernel, "cpu_kernel_available", lambda: False)
+        assert resolve_impl("auto") == "xla"
     with pytest.raises(ValueError, match="unknown sparse attention implementation 'flash'"):
         resolve_impl("flash")
 

@@ -207,11 +207,14 @@ def test_chunked_equals_unchunked(chunk):
 def test_chunked_large_magnitude_separate_unembed_and_jit():
     hp, hq, W = _hidden_case(7, lead=(4,), H=16, V=37, scale=30.0)   # logits ~ 1e2, peaked
     Wq = (W + 0.05 * rng(8).normal(size=W.shape)).astype(np.float32)
-    f = jax.jit(lambda a, b: M.mismatch_stats(a, b, W, 10, unembed_q=Wq))
+    f = jax.jit(lambda a, b: M.mismatch_stats(a, b, W, 10, unembed_q=Wq, reverse_kl=True))
     out = f(hp, hq)
     zp = hp.astype(np.float64) @ W.astype(np.float64)
     zq = hq.astype(np.float64) @ Wq.astype(np.float64)
     alpha, tv, kl, ent = np_measures(zp, zq)
+    _, _, kl_reverse, _ = np_measures(zq, zp)  # KL(q || p): the same formula, arguments swapped
+    np.testing.assert_allclose(out["kl_reverse"], kl_reverse, atol=1e-4, rtol=1e-4)
+    assert np.max(np.abs(kl_reverse - kl)) > 1e-2  # the two directions really differ here
     np.testing.assert_allclose(out["alpha"], alpha, atol=2e-5)
     np.testing.assert_allclose(out["tv"], tv, atol=2e-5)
     np.testing.assert_allclose(out["kl"], kl, atol=1e-4, rtol=1e-4)

@@ -1,4 +1,4 @@
-"""Block-sparse decode kernels (Pallas TPU / GPU in interpret mode, fast XLA) vs references.
+"""Block-sparse decode kernels (Pallas TPU / GPU in interpret mode, fast XLA, C++ CPU custom call) vs references.
 
 Each implementation is checked against ``sparse_decode_reference`` and against an
 independent numpy brute force written here. Shapes are tiny (interpret mode is slow) and
@@ -15,6 +15,7 @@ import pytest
 
 from pallas_kernels import sparse_decode_gpu, sparse_decode_tpu, sparse_decode_triton, triton_available
 from sparrow_jax.attention import dense_decode, select_pages, sparse_decode, sparse_decode_reference
+from sparrow_jax.attention.cpu_kernel import cpu_kernel_available, sparse_decode_cpu
 from sparrow_jax.attention.fast_xla import sparse_decode_xla_fast
 
 PAGES, PAGE, DIM, K_MAX = 7, 4, 8, 4  # k_max 4 = every candidate page (1..cur-2) when cur <= 6
@@ -28,6 +29,10 @@ PPB = {"gqa4": {}, "gqa1": {"pages_per_block": 2}}
 
 
 def _impl(name: str, config: str):
+    if name == "cpu":
+        if not cpu_kernel_available():
+            pytest.skip("no C++ compiler here: the CPU custom call is off (sparse_decode falls back to XLA)")
+        return sparse_decode_cpu
     if name == "pallas_tpu":
         return functools.partial(sparse_decode_tpu, interpret=True, **PPB[config])
     if name == "pallas_gpu":
@@ -35,7 +40,7 @@ def _impl(name: str, config: str):
     return sparse_decode_xla_fast
 
 
-IMPLS = ["pallas_tpu", "pallas_gpu", "fast_xla"]
+IMPLS = ["pallas_tpu", "pallas_gpu", "fast_xla", "cpu"]
 
 
 def _inputs(config: str, seed: int):
@@ -164,7 +169,7 @@ def test_tpu_kernel_double_buffering_has_no_dma_races():
     np.testing.assert_allclose(got, _numpy_reference(q, k, v, idx, valid, POSITIONS), atol=1e-5, rtol=0)
 
 
-@pytest.mark.parametrize("kernel", [sparse_decode_tpu, sparse_decode_gpu, sparse_decode_triton])
+@pytest.mark.parametrize("kernel", [sparse_decode_tpu, sparse_decode_gpu, sparse_decode_triton, sparse_decode_cpu])
 def test_bad_inputs_name_the_tensor(kernel):
     q, k, v = _inputs("gqa4", seed=5)
     idx, valid = _select("gqa4", budget=np.array([1, 1, 1]), seed=5)
@@ -233,3 +238,55 @@ def test_device_check_script_agrees_on_cpu_and_catches_wrong_selection():
     mask[:, :, ctx // 2:] = False  # a different selection must give a clearly different answer
     other = reference_attention(np.asarray(case["q"]), k, v, mask, d ** -0.5)
     assert np.linalg.norm(other - ref) / np.linalg.norm(ref) > 1e-2
+
+
+def test_cpu_kernel_counts_a_repeated_page_once_and_empty_rows_give_zero():
+    """The reference masks pages, so a page listed twice counts once; a row whose selection
+    sees no token (every valid page after the position) gives 0 as the Pallas kernels do."""
+    q, k, v = _inputs("gqa4", seed=11)
+    kernel = _impl("cpu", "gqa4")
+    idx = np.zeros((3, 2, N_SLOTS), np.int32)
+    valid = np.zeros((3, 2, N_SLOTS), bool)
+    idx[:, :, :4] = [2, 0, 2, 1]  # page 2 twice
+    valid[:, :, :4] = True
+    valid[2] = False
+    idx[2, :, 0], valid[2, :, 0] = 5, True  # row 2 decodes at position 0: page 5 is all in its future
+    got = np.asarray(kernel(q, k, v, idx, valid, POSITIONS))
+    want = _numpy_reference(q[:2], k[:2], v[:2], idx[:2], valid[:2], POSITIONS[:2])
+    np.testing.assert_allclose(got[:2], want, atol=1e-5, rtol=0)
+    assert np.array_equal(got[2], np.zeros_like(got[2]))
+
+
+def test_cpu_kernel_falls_back_without_a_compiler(monkeypatch, tmp_path):
+    """No C++ compiler (and an empty build cache): a warning, False, and auto resolves to XLA."""
+    from sparrow_jax.attention import cpu_kernel
+    from sparrow_jax.attention.decode import resolve_impl
+
+    monkeypatch.setenv("SPARROW_JAX_CACHE", str(tmp_path))
+    monkeypatch.delenv("CXX", raising=False)
+    monkeypatch.setattr(cpu_kernel.shutil, "which", lambda name: None)
+    cpu_kernel.cpu_kernel_available.cache_clear()
+    try:
+        with pytest.warns(UserWarning, match="no C\\+\\+ compiler"):
+            assert cpu_kernel.cpu_kernel_available() is False
+        if jax.default_backend() == "cpu":
+            assert resolve_impl("auto") == "xla"
+        with pytest.raises(RuntimeError, match="unavailable"):
+            sparse_decode_cpu(*_inputs("gqa4", seed=0), *_select("gqa4", np.array([1, 1, 1]), seed=0), POSITIONS)
+        assert not list(tmp_path.iterdir())  # nothing half-built left behind
+    finally:
+        cpu_kernel.cpu_kernel_available.cache_clear()  # the next caller builds / loads again
+
+
+def test_cpu_kernel_failed_build_warns_and_leaves_no_partial_library(monkeypatch, tmp_path):
+    from sparrow_jax.attention import cpu_kernel
+
+    monkeypatch.setenv("SPARROW_JAX_CACHE", str(tmp_path))
+    monkeypatch.setenv("CXX", "false")  # a "compiler" that always fails
+    cpu_kernel.cpu_kernel_available.cache_clear()
+    try:
+        with pytest.warns(UserWarning, match="CPU sparse decode kernel unavailable"):
+            assert cpu_kernel.cpu_kernel_available() is False
+        assert not list(tmp_path.rglob("*.so"))
+    finally:
+        cpu_kernel.cpu_kernel_available.cache_clear()

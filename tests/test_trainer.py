@@ -104,7 +104,7 @@ def test_distill_sparse_step_isolates_gradients():
     copy = lambda t: jax.tree.map(lambda x: jnp.array(x, copy=True), t)
     plain, _ = train_step(init_train_state(copy(params), optimizer), _batch(0), config=config,
                           optimizer=optimizer, schedule=schedule, opts=opts)
-    for kl in ("exact", "k3"):
+    for kl in ("exact", "exact_reverse", "k3"):
         state, lora_state, metrics = train_step(
             init_train_state(copy(params), optimizer), _batch(0), None, LoraState(copy(lora), lora_opt.init(lora)),
             config=config, optimizer=optimizer, schedule=schedule, opts=opts, lora_cfg=lora_cfg,

@@ -7,7 +7,9 @@ from :func:`sparrow_jax.attention.selection.select_pages`. Softmax is in float32
 
 * ``sparse_decode_reference``: masks the full cache with the selected pages (clear, slow).
 * ``sparse_decode_xla``: gathers only the selected pages (plain formulation).
-* ``fast_xla.sparse_decode_xla_fast``: the same, tuned for XLA:CPU (the CPU default).
+* ``fast_xla.sparse_decode_xla_fast``: the same, tuned for XLA:CPU (the CPU fallback).
+* ``cpu_kernel.sparse_decode_cpu``: a C++ XLA:CPU custom call, built on first use (the CPU
+  default when a C++ compiler is present).
 * Pallas kernels (``pallas_kernels``) for TPU and GPU, tested against the reference.
 """
 from __future__ import annotations
@@ -20,7 +22,31 @@ import jax.numpy as jnp
 
 from sparrow_jax.attention.selection import selected_page_mask
 
-IMPLEMENTATIONS = ("auto", "reference", "xla", "pallas_tpu", "pallas_gpu", "triton")
+IMPLEMENTATIONS = ("auto", "reference", "xla", "cpu", "pallas_tpu", "pallas_gpu", "triton")
+
+
+def check_decode_inputs(q, k_pages, v_pages, page_idx, page_valid, positions) -> None:
+    """Raise ValueError naming the tensor whose shape or dtype breaks the decode contract."""
+    if q.ndim != 3:
+        raise ValueError(f"q must be [B, H, D], got shape {q.shape}")
+    if k_pages.ndim != 5:
+        raise ValueError(f"k_pages must be [B, Hkv, P, S, D], got shape {k_pages.shape}")
+    if v_pages.shape != k_pages.shape:
+        raise ValueError(f"v_pages shape {v_pages.shape} must equal k_pages shape {k_pages.shape}")
+    b, h, d = q.shape
+    kb, hkv, _, _, kd = k_pages.shape
+    if (kb, kd) != (b, d):
+        raise ValueError(f"k_pages batch/head_dim {(kb, kd)} must match q's {(b, d)}")
+    if h % hkv:
+        raise ValueError(f"query heads H={h} must be a multiple of KV heads Hkv={hkv}")
+    if page_idx.ndim != 3 or page_idx.shape[:2] != (b, hkv):
+        raise ValueError(f"page_idx must be [B={b}, Hkv={hkv}, N], got shape {page_idx.shape}")
+    if page_valid.shape != page_idx.shape:
+        raise ValueError(f"page_valid shape {page_valid.shape} must equal page_idx shape {page_idx.shape}")
+    if not jnp.issubdtype(page_idx.dtype, jnp.integer):
+        raise ValueError(f"page_idx must be an integer array, got dtype {page_idx.dtype}")
+    if positions.shape != (b,):
+        raise ValueError(f"positions must be [B={b}], got shape {positions.shape}")
 
 
 def _group(q, num_kv_heads):
@@ -90,7 +116,12 @@ def resolve_impl(impl: str) -> str:
         raise ValueError(f"unknown sparse attention implementation {impl!r}; expected one of {IMPLEMENTATIONS}")
     platform = _platform()
     if impl == "auto":
+        if platform == "cpu":
+            from sparrow_jax.attention.cpu_kernel import cpu_kernel_available  # builds on first use
+            return "cpu" if cpu_kernel_available() else "xla"
         return {"tpu": "pallas_tpu", "gpu": "pallas_gpu"}.get(platform, "xla")
+    if impl == "cpu" and platform != "cpu":
+        raise ValueError(f"impl='cpu' is the XLA:CPU custom call; this backend is {platform!r}")
     if impl == "triton":
         try:
             from pallas_kernels import triton_available  # noqa: WPS433 (guarded optional import)
@@ -112,6 +143,9 @@ def sparse_decode(q, k_pages, v_pages, page_idx, page_valid, positions, scale=No
     if impl == "xla":  # the whole-page-row gather formulation: ~1.4x faster than sparse_decode_xla on CPU
         from sparrow_jax.attention.fast_xla import sparse_decode_xla_fast
         return sparse_decode_xla_fast(q, k_pages, v_pages, page_idx, page_valid, positions, scale)
+    if impl == "cpu":  # C++ custom call, one pass over the selected pages
+        from sparrow_jax.attention.cpu_kernel import sparse_decode_cpu
+        return sparse_decode_cpu(q, k_pages, v_pages, page_idx, page_valid, positions, scale)
     import pallas_kernels  # deferred: Pallas imports are heavy and optional on CPU
 
     interpret = _platform() == "cpu"

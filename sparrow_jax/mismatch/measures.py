@@ -186,7 +186,7 @@ def _topk_jit(zp, zq, *, k):
 
 def mismatch_stats(hidden_p: Array, hidden_q: Array, unembed: Array,
                    vocab_chunk: int = 8192, sampled_tokens: Array | None = None, *,
-                   unembed_q: Array | None = None,
+                   unembed_q: Array | None = None, reverse_kl: bool = False,
                    precision: lax.Precision = lax.Precision.HIGHEST) -> dict[str, jax.Array]:
     """Exact mismatch statistics without materialising [..., V] logits.
 
@@ -209,11 +209,12 @@ def mismatch_stats(hidden_p: Array, hidden_q: Array, unembed: Array,
       sampled_tokens: optional int [...] token ids (the rollout's tokens). Ids outside
         [0, V) match no column and give log-prob -inf.
       unembed_q: optional separate [H, V] unembedding for q (default: ``unembed``).
+      reverse_kl: also return ``kl_reverse`` = KL(q||p) (one more term per logit in pass 2).
       precision: matmul precision; HIGHEST keeps float32 on GPU/TPU (no TF32/bf16 passes).
     Returns:
       dict of float32 [...] arrays: ``alpha`` (in [0, 1]), ``tv`` (in [0, 1]), ``kl``
-      (KL(p||q) >= 0), ``entropy_p`` (nats), and, only when ``sampled_tokens`` is given,
-      ``logp_p_sampled`` and ``logp_q_sampled``.
+      (KL(p||q) >= 0), ``entropy_p`` (nats), only when ``sampled_tokens`` is given,
+      ``logp_p_sampled`` and ``logp_q_sampled``, and only with ``reverse_kl``, ``kl_reverse``.
     """
     hp, hq = _check_pair("hidden_p", hidden_p, "hidden_q", hidden_q)
     w_p = jnp.asarray(unembed)
@@ -240,7 +241,7 @@ def mismatch_stats(hidden_p: Array, hidden_q: Array, unembed: Array,
     h = hp.shape[-1]
     out = _mismatch_stats_flat(hp.reshape(-1, h), hq.reshape(-1, h), w_p, w_q, tokens,
                                vocab_chunk=min(int(vocab_chunk), w_p.shape[1]),
-                               precision=precision)
+                               reverse_kl=bool(reverse_kl), precision=precision)
     return {name: v.reshape(lead) for name, v in out.items()}
 
 
@@ -253,8 +254,8 @@ def _online_lse_update(m: jax.Array, s: jax.Array, x: jax.Array):
     return m_new, s
 
 
-@functools.partial(jax.jit, static_argnames=("vocab_chunk", "precision"))
-def _mismatch_stats_flat(hp, hq, w_p, w_q, tokens, *, vocab_chunk, precision):
+@functools.partial(jax.jit, static_argnames=("vocab_chunk", "reverse_kl", "precision"))
+def _mismatch_stats_flat(hp, hq, w_p, w_q, tokens, *, vocab_chunk, reverse_kl, precision):
     n = hp.shape[0]
     vocab = w_p.shape[1]
     c = vocab_chunk
@@ -296,7 +297,7 @@ def _mismatch_stats_flat(hp, hq, w_p, w_q, tokens, *, vocab_chunk, precision):
     lse_p, lse_q = finish_lse(m_p, s_p), finish_lse(m_q, s_q)
 
     def pass2(carry, i):
-        a, tv, kl, ent = carry
+        a, tv, kl, ent, kl_rev = carry
         _, _, zp, zq = chunk_logits(i)
         lp = zp - lse_p[:, None]
         lq = zq - lse_q[:, None]
@@ -304,9 +305,11 @@ def _mismatch_stats_flat(hp, hq, w_p, w_q, tokens, *, vocab_chunk, precision):
         tv = tv + jnp.sum(jnp.abs(jnp.exp(lp) - jnp.exp(lq)), axis=-1)
         kl = kl + jnp.sum(_kl_terms(lp, lq), axis=-1)
         ent = ent + jnp.sum(_entropy_terms(lp), axis=-1)
-        return (a, tv, kl, ent), None
+        if reverse_kl:
+            kl_rev = kl_rev + jnp.sum(_kl_terms(lq, lp), axis=-1)
+        return (a, tv, kl, ent, kl_rev), None
 
-    (a, tv, kl, ent), _ = lax.scan(pass2, (zeros, zeros, zeros, zeros), jnp.arange(num_chunks))
+    (a, tv, kl, ent, kl_rev), _ = lax.scan(pass2, (zeros, zeros, zeros, zeros, zeros), jnp.arange(num_chunks))
     out = {
         "alpha": jnp.clip(a, 0.0, 1.0),
         "tv": jnp.clip(0.5 * tv, 0.0, 1.0),
@@ -316,4 +319,6 @@ def _mismatch_stats_flat(hp, hq, w_p, w_q, tokens, *, vocab_chunk, precision):
     if tokens is not None:
         out["logp_p_sampled"] = tok_p - lse_p
         out["logp_q_sampled"] = tok_q - lse_q
+    if reverse_kl:
+        out["kl_reverse"] = jnp.maximum(kl_rev, 0.0)
     return out

@@ -55,7 +55,10 @@ class DistillOptions:
     """DistillSparse (Sparrow Alg. 1): LoRA on the sparse actor only, trained in the same step."""
 
     kl_coef: float = 1e-3  # lambda of L_LoRA = L_PPO_sparse + lambda * L_KL
-    kl: str = "exact"  # exact: full-vocabulary KL(dense || sparse) per token; k3: estimate on sampled tokens
+    # exact: full-vocabulary KL(dense || sparse) per token (mass-covering); exact_reverse:
+    # KL(sparse || dense), mode-seeking, what the release's k3 estimates; k3: that estimate on
+    # the sampled tokens only.
+    kl: str = "exact_reverse"
     tis_cap: float = 3.0  # TIS cap of the sparse PPO term (0 disables)
 
 
@@ -104,17 +107,17 @@ def _policy_loss(params, config: Qwen3Config, mb: Batch, opts: StepOptions):
     return loss, (metrics, jax.lax.stop_gradient(hidden), logp_old)
 
 
-def _per_token_mismatch(h_dense, h_sparse, w_dense, w_sparse, tokens, opts: StepOptions):
+def _per_token_mismatch(h_dense, h_sparse, w_dense, w_sparse, tokens, opts: StepOptions, reverse_kl: bool = False):
     """Exact alpha, KL(dense || sparse) and dense log-prob of each token, chunked. -> 3 x [B, T]
 
-    Differentiable w.r.t. ``h_sparse`` / ``w_sparse`` (DistillSparse's exact KL); callers
+    With ``reverse_kl`` a fourth [B, T]: KL(sparse || dense). Differentiable w.r.t. ``h_sparse`` / ``w_sparse`` (DistillSparse's exact KL); callers
     stop gradients where they want none.
     """
     t = opts.temperature
 
     def chunk(hp, hq, tok):
-        s = mismatch_stats(hp / t, hq / t, w_dense, sampled_tokens=tok, unembed_q=w_sparse)
-        return s["alpha"], s["kl"], s["logp_p_sampled"]
+        s = mismatch_stats(hp / t, hq / t, w_dense, sampled_tokens=tok, unembed_q=w_sparse, reverse_kl=reverse_kl)
+        return (s["alpha"], s["kl"], s["logp_p_sampled"]) + ((s["kl_reverse"],) if reverse_kl else ())
 
     out = _chunked_over_sequence(chunk, h_dense[:, :-1], h_sparse[:, :-1], tokens[:, 1:], seq_chunk=opts.seq_chunk)
     return tuple(_shift(x) for x in out)
@@ -145,10 +148,13 @@ def _lora_loss(lora, base_params, config: Qwen3Config, lora_cfg: LoraConfig, bat
     ppo, _ = grpo_loss(logp_sparse, logp_sparse_old, batch.advantages, batch.mask, clip_low=opts.clip_low,
                        clip_high=opts.clip_high, is_weights=weights, agg=opts.loss_agg)
 
-    alpha, kl_exact, logp_dense = _per_token_mismatch(jax.lax.stop_gradient(hidden_dense), h_sparse, w_dense,
-                                                      w_sparse, batch.tokens, opts)
+    alpha, kl_exact, logp_dense, *kl_reverse = _per_token_mismatch(
+        jax.lax.stop_gradient(hidden_dense), h_sparse, w_dense, w_sparse, batch.tokens, opts,
+        reverse_kl=distill.kl == "exact_reverse")
     if distill.kl == "exact":
         kl_tok = kl_exact
+    elif distill.kl == "exact_reverse":
+        kl_tok = kl_reverse[0]
     else:  # k3 on sampled tokens with r = p_dense / p_sparse, as in the paper's release
         kl_tok = kl_penalty(logp_sparse, jax.lax.stop_gradient(logp_dense), kind="k3")
     kl = agg_loss(kl_tok, batch.mask, opts.loss_agg)

@@ -143,11 +143,13 @@ class Distiller:
         return self._merge(params, self.state.lora, self.lora_cfg)
 
 
-def actor_tail(worker: "RolloutWorker", config, params, actor_params, examples, schedule, tau, key) -> dict:
-    """Per-bin p5 of the sparse actor (``actor_params``) vs the dense policy on ``examples``."""
+def actor_tail(worker: "RolloutWorker", config, params, actor_params, examples, schedule, tau, key,
+               samples: int = 2) -> dict:
+    """Per-bin p5 of the sparse actor (``actor_params``) vs the dense policy on ``examples``
+    (``samples`` completions per prompt, sampled by the actor)."""
     from sparrow_jax.mismatch.calibrate import validate as validate_schedule  # deferred: heavy
     prompts = [worker.encode(e) for e in examples]
-    return validate_schedule(config, params, prompts, schedule, worker.sampling, 2, key, tau=tau,
+    return validate_schedule(config, params, prompts, schedule, worker.sampling, samples, key, tau=tau,
                              pad_id=worker.tok.pad_id, sparse_params=actor_params)
 
 
