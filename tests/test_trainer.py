@@ -48,6 +48,23 @@ def test_train_step_compiles_once_and_updates_params():
     assert all(jax.tree.leaves(changed))
 
 
+def test_mismatch_bins_count_a_token_at_its_query_position():
+    """Token 32 is sampled by the query at 31: with 16-wide bins it counts in bin 16, as in
+    calibration, not in bin 32."""
+    config = tiny_config()
+    optimizer = make_optimizer(1e-3)
+    state = init_train_state(init_params(config), optimizer)
+    batch = _batch(7)
+    only_32 = np.zeros(batch.mask.shape, np.float32)
+    only_32[:, 32] = 1
+    batch = batch._replace(mask=jnp.asarray(only_32))
+    schedule = SparsitySchedule.fixed(1, page_size=8, bin_width=16, dense_layers=(0,))
+    _, metrics = train_step(state, batch, config=config, optimizer=optimizer, schedule=schedule,
+                            opts=StepOptions(micro_batches=2, num_bins=3, bin_width=16))
+    assert int(metrics["mismatch/count/bin_16"]) == batch.tokens.shape[0]
+    assert int(metrics["mismatch/count/bin_32"]) == 0
+
+
 def test_invalid_config_names_the_field():
     cfg = get_config()
     cfg.train.loss_agg = "token-sum"

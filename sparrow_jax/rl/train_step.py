@@ -10,7 +10,7 @@ Everything a step does runs in a single ``jax.jit`` with the train state donated
    accumulated over micro-batches with ``lax.scan``, optax update;
 4. sparse actor (no grad): teacher-forced sparse hidden states with the sampler's page
    selection; exact per-token acceptance rate vs the dense policy; p5 and mean per
-   absolute-position bin.
+   absolute-position bin of the query that produced the token (as calibration bins).
 """
 from __future__ import annotations
 
@@ -210,7 +210,9 @@ def train_step(state: TrainState, batch: Batch, sparse_params=None, lora_state: 
         else:
             sp = state.params if sparse_params is None else sparse_params
             alpha, kl = _alpha_stats(config, state.params, sp, batch.tokens, batch.prompt_lens, hidden, schedule, opts)
-        positions = jnp.broadcast_to(jnp.arange(batch.tokens.shape[1]), batch.tokens.shape)
+        # Bin a token by the position of the query that produced it (t - 1): the budget that
+        # sampled token t is the schedule's top-k at t - 1. Calibration bins the same way.
+        positions = jnp.broadcast_to(jnp.maximum(jnp.arange(batch.tokens.shape[1]) - 1, 0), batch.tokens.shape)
         mask = batch.mask > 0
         p5, counts = binned_percentile_jax(alpha, positions, mask, opts.num_bins, opts.bin_width, 5.0)
         sums = jax.ops.segment_sum(jnp.where(mask, alpha, 0).reshape(-1),
