@@ -48,6 +48,33 @@ def test_train_step_compiles_once_and_updates_params():
     assert all(jax.tree.leaves(changed))
 
 
+@pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean"])
+def test_micro_batches_give_the_full_batch_update(agg):
+    """Gradient accumulation over micro-batches with unequal token counts equals one full batch
+    (a plain mean of micro-batch means would over-weight the short micro-batch)."""
+    import optax
+
+    config = tiny_config()
+    optimizer = optax.sgd(1.0)  # params move by exactly -grad: compares the accumulated gradients
+    params = init_params(config, seed=3)
+    batch = _batch(5)
+    mask = np.zeros(batch.mask.shape, np.float32)
+    mask[0, 20:44] = mask[1, 20:40] = 1  # micro-batch 1: 44 tokens
+    mask[2, 20:23] = 1  # micro-batch 2: 3 tokens, one empty row
+    batch = batch._replace(mask=jnp.asarray(mask))
+    results = []
+    for n in (1, 2):
+        state = init_train_state(jax.tree.map(jnp.array, params), optimizer)
+        state, metrics = train_step(state, batch, config=config, optimizer=optimizer, schedule=None,
+                                    opts=StepOptions(micro_batches=n, loss_agg=agg))
+        results.append((float(metrics["loss"]), state.params))
+    assert abs(results[0][0] - results[1][0]) < 1e-6
+    diffs = jax.tree.map(lambda a, b: float(jnp.max(jnp.abs(a - b))), results[0][1], results[1][1])
+    assert max(jax.tree.leaves(diffs)) < 1e-6
+    assert max(jax.tree.leaves(jax.tree.map(lambda a, b: float(jnp.max(jnp.abs(a - b))), params,
+                                            results[0][1]))) > 1e-4  # the step did move the params
+
+
 def test_mismatch_bins_count_a_token_at_its_query_position():
     """Token 32 is sampled by the query at 31: with 16-wide bins it counts in bin 16, as in
     calibration, not in bin 32."""

@@ -90,6 +90,18 @@ def init_train_state(params, optimizer: optax.GradientTransformation) -> TrainSt
     return TrainState(jnp.zeros((), jnp.int32), params, optimizer.init(params))
 
 
+def _micro_batch_weights(mask: jax.Array, loss_agg: str) -> jax.Array:
+    """[n, b, T] micro-batch masks -> [n] weights that make the accumulated gradient equal the
+    full batch's: each micro-batch's share of the aggregation's denominator (its tokens for
+    token-mean, its non-empty rows for the seq-mean modes), uniform if the batch is empty."""
+    if loss_agg == "token-mean":
+        units = jnp.sum(mask, axis=(1, 2))
+    else:
+        units = jnp.sum(jnp.any(mask > 0, axis=-1), axis=-1).astype(jnp.float32)
+    total = jnp.sum(units)
+    return jnp.where(total > 0, units / jnp.maximum(total, 1e-9), 1.0 / mask.shape[0])
+
+
 def _policy_loss(params, config: Qwen3Config, mb: Batch, opts: StepOptions):
     hidden = dense_hidden(config, params, mb.tokens, remat=opts.remat)
     logp, entropy = token_logprobs(hidden, unembedding(config, params), mb.tokens, opts.temperature,
@@ -182,20 +194,22 @@ def train_step(state: TrainState, batch: Batch, sparse_params=None, lora_state: 
     if b % n:
         raise ValueError(f"batch of {b} rows is not divisible by micro_batches={n}")
     micro = jax.tree.map(lambda x: x.reshape(n, b // n, *x.shape[1:]), batch)
+    weights = _micro_batch_weights(micro.mask, opts.loss_agg)
     grad_fn = jax.value_and_grad(_policy_loss, has_aux=True)
 
-    def accumulate(grads_acc, mb):
+    def accumulate(grads_acc, mb_and_weight):
+        mb, w = mb_and_weight
         (loss, (metrics, hidden, logp)), grads = grad_fn(state.params, config, Batch(*mb), opts)
-        grads_acc = jax.tree.map(lambda a, g: a + g / n, grads_acc, grads)
+        grads_acc = jax.tree.map(lambda a, g: a + g * w, grads_acc, grads)
         return grads_acc, (loss, metrics, hidden)
 
     zeros = jax.tree.map(jnp.zeros_like, state.params)
-    grads, (losses, metrics, hidden) = jax.lax.scan(accumulate, zeros, tuple(micro))
+    grads, (losses, metrics, hidden) = jax.lax.scan(accumulate, zeros, (tuple(micro), weights))
     updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
 
-    out = {k: jnp.mean(v) for k, v in metrics.items()}
-    out["loss"] = jnp.mean(losses)
+    out = {k: jnp.sum(v * weights) for k, v in metrics.items()}
+    out["loss"] = jnp.sum(losses * weights)
     out["actor/grad_norm"] = optax.tree.norm(grads)
     new_lora_state = None
     if schedule is not None:
