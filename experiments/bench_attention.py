@@ -39,7 +39,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from sparrow_jax.attention import (IMPLEMENTATIONS, dense_decode, group_mean_query, page_metadata, resolve_impl,
-                                   score_pages, select_pages, sparse_decode, sparse_decode_xla)
+                                   score_pages, select_pages_decode, sparse_decode, sparse_decode_xla)
 
 BATCH, HEADS, KV_HEADS, HEAD_DIM, PAGE = 8, 8, 2, 64, 16
 BUDGET_TOKENS, RESERVED_FIRST, RESERVED_LAST = 1024, 1, 2
@@ -47,16 +47,17 @@ K_MAX = BUDGET_TOKENS // PAGE - RESERVED_FIRST - RESERVED_LAST  # 61 top-k pages
 OUT_PATH = os.path.join("runs", "bench", "bench_attention.json")
 
 
-def sparse_step(attend: Callable) -> Callable:
-    """Score pages, select the top-k, attend over them: one layer of a sparse decode step.
+def sparse_step(attend: Callable, impl: str = "xla") -> Callable:
+    """Score pages, select the top-k, attend over them: one layer of a sparse decode step, as
+    :func:`sparrow_jax.models.forward.decode_step` runs it with ``impl``.
 
     (q, k_pages, v_pages, centroid, positions) -> (out [B, H, D], page_valid [B, Hkv, N]).
     """
 
     def step(q, k_pages, v_pages, centroid, positions):
         scores = score_pages(group_mean_query(q, KV_HEADS), centroid)
-        page_idx, page_valid = select_pages(scores, positions[:, None], K_MAX, K_MAX, PAGE,
-                                            RESERVED_FIRST, RESERVED_LAST)
+        page_idx, page_valid = select_pages_decode(scores, positions, K_MAX, K_MAX, PAGE, RESERVED_FIRST,
+                                                   RESERVED_LAST, impl=impl)
         return attend(q, k_pages, v_pages, page_idx, page_valid, positions), page_valid
 
     return step
@@ -69,7 +70,7 @@ def dense_step(q, k_pages, v_pages, centroid, positions):
 def make_steps(impl: str) -> Dict[str, Callable]:
     """The timed steps: dense, sparse with ``impl``, sparse with the plain XLA gather."""
     return {"dense": dense_step,
-            "sparse": sparse_step(lambda *a: sparse_decode(*a, impl=impl)),
+            "sparse": sparse_step(lambda *a: sparse_decode(*a, impl=impl), impl),
             "sparse_xla_ref": sparse_step(sparse_decode_xla)}
 
 FLUSH_BYTES = 96 << 20  # > 2x this machine's 32 MiB L3

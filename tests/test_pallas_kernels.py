@@ -290,3 +290,27 @@ def test_cpu_kernel_failed_build_warns_and_leaves_no_partial_library(monkeypatch
         assert not list(tmp_path.rglob("*.so"))
     finally:
         cpu_kernel.cpu_kernel_available.cache_clear()
+
+
+def test_cpu_select_pages_equals_select_pages_slot_for_slot():
+    """The C++ partial sort gives XLA top-k's slots exactly: ragged rows, budgets <= 0 and
+    above k_max, ties and signed zeros (XLA orders -0 below +0), any reserved counts."""
+    from sparrow_jax.attention.cpu_kernel import select_pages_cpu
+
+    if not cpu_kernel_available():
+        pytest.skip("no C++ compiler here: the CPU custom call is off")
+    rng = np.random.default_rng(0)
+    for trial in range(40):
+        pages = int(rng.integers(3, 40))
+        scores = rng.standard_normal((3, 2, pages)).astype(np.float32)
+        if trial % 2:
+            scores = np.round(scores, 1)  # many ties, and -0.0 next to 0.0
+        positions = rng.integers(0, pages * 4, 3).astype(np.int32)
+        budget = rng.integers(-1, 12, 3).astype(np.int32)
+        k_max, first, last = int(rng.integers(0, 12)), int(rng.integers(0, 3)), int(rng.integers(0, 3))
+        want = select_pages(jnp.asarray(scores), jnp.asarray(positions)[:, None], jnp.asarray(budget)[:, None],
+                            k_max, 4, first, last)
+        got = select_pages_cpu(jnp.asarray(scores), jnp.asarray(positions), jnp.asarray(budget), k_max, 4,
+                               first, last)
+        for w, g in zip(want, got):
+            np.testing.assert_array_equal(np.asarray(g), np.asarray(w), err_msg=f"trial {trial}")

@@ -20,7 +20,7 @@ import warnings
 import jax
 import jax.numpy as jnp
 
-from sparrow_jax.attention.selection import selected_page_mask
+from sparrow_jax.attention.selection import select_pages, selected_page_mask
 
 IMPLEMENTATIONS = ("auto", "reference", "xla", "cpu", "pallas_tpu", "pallas_gpu", "triton")
 
@@ -133,6 +133,20 @@ def resolve_impl(impl: str) -> str:
                       if platform == "gpu" else "jax-triton needs a GPU; falling back to XLA")
         return "pallas_gpu" if platform == "gpu" else "xla"
     return impl
+
+
+def select_pages_decode(scores, positions, budget, k_max: int, page_size: int, reserved_first: int = 1,
+                        reserved_last: int = 2, impl: str = "auto"):
+    """``select_pages`` for one decode step: scores [B, Hkv, P], positions and budget [B].
+
+    With the CPU kernel as the implementation, a C++ partial sort replaces XLA's top-k (the
+    same slots for finite scores); otherwise :func:`select_pages`. Returns (page_idx, page_valid).
+    """
+    budget = jnp.broadcast_to(jnp.asarray(budget, jnp.int32), positions.shape)
+    if resolve_impl(impl) == "cpu":
+        from sparrow_jax.attention.cpu_kernel import select_pages_cpu
+        return select_pages_cpu(scores, positions, budget, k_max, page_size, reserved_first, reserved_last)
+    return select_pages(scores, positions[:, None], budget[:, None], k_max, page_size, reserved_first, reserved_last)
 
 
 def sparse_decode(q, k_pages, v_pages, page_idx, page_valid, positions, scale=None, impl="auto"):

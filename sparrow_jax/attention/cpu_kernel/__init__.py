@@ -27,6 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 TARGET = "sparrow_sparse_decode_cpu"
+SELECT_TARGET = "sparrow_select_pages_cpu"
 SOURCE = Path(__file__).with_name("sparse_decode_cpu.cc")
 FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp-simd", "-std=c++17", "-shared", "-fPIC")
 
@@ -81,6 +82,7 @@ def cpu_kernel_available() -> bool:
             _build(compiler, path)
         library = ctypes.cdll.LoadLibrary(str(path))
         jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(library.SparrowSparseDecodeCpu), platform="cpu")
+        jax.ffi.register_ffi_target(SELECT_TARGET, jax.ffi.pycapsule(library.SparrowSelectPagesCpu), platform="cpu")
     except Exception as exc:  # any build/load problem: warn once and keep the XLA path
         warnings.warn(f"CPU sparse decode kernel unavailable ({type(exc).__name__}: {str(exc)[:500]}); "
                       "using the XLA path")
@@ -110,3 +112,26 @@ def sparse_decode_cpu(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, page
         q32, k_pages, v_pages, page_idx.astype(jnp.int32), page_valid.astype(bool), positions.astype(jnp.int32),
         scale=np.float32(scale))
     return out.astype(q.dtype)
+
+
+def select_pages_cpu(scores: jax.Array, positions: jax.Array, budget: jax.Array, k_max: int, page_size: int,
+                     reserved_first: int = 1, reserved_last: int = 2):
+    """:func:`sparrow_jax.attention.selection.select_pages` for one decode step, in C++.
+
+    scores [B, Hkv, P] (finite); positions, budget [B]. Returns (page_idx int32, page_valid
+    bool), both [B, Hkv, reserved_first + min(k_max, P) + reserved_last], slot for slot equal
+    to ``select_pages(scores, positions[:, None], budget[:, None], ...)`` (a partial sort per
+    (row, KV head) instead of XLA's full top-k).
+    """
+    if not cpu_kernel_available():
+        raise RuntimeError("the CPU sparse decode kernel is unavailable (see the warning); use impl='xla'")
+    b, hkv, num_pages = scores.shape
+    if positions.shape != (b,) or jnp.shape(budget) != (b,):
+        raise ValueError(f"positions and budget must be [B={b}], got {positions.shape} and {jnp.shape(budget)}")
+    k_max = min(int(k_max), num_pages)
+    slots = reserved_first + k_max + reserved_last
+    out = (jax.ShapeDtypeStruct((b, hkv, slots), jnp.int32), jax.ShapeDtypeStruct((b, hkv, slots), jnp.bool_))
+    return jax.ffi.ffi_call(SELECT_TARGET, out)(
+        scores.astype(jnp.float32), positions.astype(jnp.int32), jnp.asarray(budget, jnp.int32),
+        k_max=np.int64(k_max), page_size=np.int64(page_size), reserved_first=np.int64(reserved_first),
+        reserved_last=np.int64(reserved_last))

@@ -32,7 +32,7 @@ namespace {
 // negative stands in for -inf as the initial running max.
 constexpr float kNegLarge = -1e30f;
 
-constexpr size_t kPrefetchPages = 8;
+constexpr size_t kPrefetchPages = 4;
 
 inline void Prefetch(const void* start, int64_t bytes) {
   const char* p = static_cast<const char*>(start);
@@ -50,6 +50,67 @@ inline float ToFloat(uint16_t bf16) {
 struct Shape {
   int64_t batch, heads, kv_heads, pages, page_size, dim, slots;
 };
+
+// One page of one (row, KV head): scores of the G query heads, online-softmax update of their
+// accumulators. Token-outer, head-inner, so each K / V row is read (and converted) once per
+// page for all G heads. kDim > 0: head_dim fixed at compile time; 0: runtime ``dim``.
+template <int kDim, typename KV>
+inline void AttendPage(const KV* kp, const KV* vp, const KV* k_ahead, const KV* v_ahead, int64_t visible,
+                       int64_t groups, int64_t page_size, const float* qs, float* acc, float* score, float* m,
+                       float* l, int64_t dim = kDim) {
+  const int64_t d = kDim > 0 ? kDim : dim;
+  float row[kDim > 0 ? kDim : 256];
+  float* buf = row;
+  std::vector<float> big;
+  if (kDim == 0 && d > 256) {
+    big.resize(d);
+    buf = big.data();
+  }
+  const int64_t row_bytes = d * static_cast<int64_t>(sizeof(KV));
+  for (int64_t t = 0; t < visible; ++t) {  // score[g][t] = q_g . k_t
+    const KV* kt = kp + t * d;
+    if (k_ahead != nullptr) Prefetch(k_ahead + t * d, row_bytes);
+#pragma omp simd
+    for (int64_t j = 0; j < d; ++j) buf[j] = ToFloat(kt[j]);
+    for (int64_t g = 0; g < groups; ++g) {
+      const float* qg = qs + g * d;
+      float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+      for (int64_t j = 0; j < d; ++j) dot += qg[j] * buf[j];
+      score[g * page_size + t] = dot;
+    }
+  }
+  for (int64_t g = 0; g < groups; ++g) {  // weights, running max and sum, rescale of acc
+    float* sc = score + g * page_size;
+    float page_max = kNegLarge;
+    for (int64_t t = 0; t < visible; ++t) page_max = std::max(page_max, sc[t]);
+    const float m_new = std::max(m[g], page_max);
+    const float rescale = expf(m[g] - m_new);  // 0 on the first page (m = kNegLarge)
+    float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t t = 0; t < visible; ++t) {  // vector expf (libmvec) under -ffast-math
+      sc[t] = expf(sc[t] - m_new);
+      sum += sc[t];
+    }
+    l[g] = l[g] * rescale + sum;
+    m[g] = m_new;
+    float* ag = acc + g * d;
+#pragma omp simd
+    for (int64_t j = 0; j < d; ++j) ag[j] *= rescale;
+  }
+  for (int64_t t = 0; t < visible; ++t) {  // acc_g += w[g][t] * v_t
+    const KV* vt = vp + t * d;
+    if (v_ahead != nullptr) Prefetch(v_ahead + t * d, row_bytes);
+#pragma omp simd
+    for (int64_t j = 0; j < d; ++j) buf[j] = ToFloat(vt[j]);
+    for (int64_t g = 0; g < groups; ++g) {
+      const float w = score[g * page_size + t];
+      float* ag = acc + g * d;
+#pragma omp simd
+      for (int64_t j = 0; j < d; ++j) ag[j] += w * buf[j];
+    }
+  }
+}
 
 // One (row, KV head): the G query heads of the group over the selected pages.
 template <typename KV>
@@ -83,49 +144,21 @@ void AttendGroup(const Shape& s, int64_t row, int64_t kv_head, const float* q, c
   const KV* k_head = k + pair * s.pages * page_elems;
   const KV* v_head = v + pair * s.pages * page_elems;
   for (size_t i = 0; i < pages.size(); ++i) {
-    if (i + kPrefetchPages < pages.size()) {
-      // Selected pages are scattered 4 KiB blocks: the hardware prefetchers only start within
-      // a page, so ask for a later page's lines now (non-temporal: each is read once).
-      Prefetch(k_head + pages[i + kPrefetchPages] * page_elems, page_elems * sizeof(KV));
-      Prefetch(v_head + pages[i + kPrefetchPages] * page_elems, page_elems * sizeof(KV));
-    }
+    // Selected pages are scattered 4 KiB blocks: the hardware prefetchers only start within a
+    // page, so each token row of this page also requests the same row of a page further on
+    // (spread over the page's work: a burst of 128 requests would overflow the miss queue).
+    const bool ahead = i + kPrefetchPages < pages.size();
+    const KV* k_ahead = ahead ? k_head + pages[i + kPrefetchPages] * page_elems : nullptr;
+    const KV* v_ahead = ahead ? v_head + pages[i + kPrefetchPages] * page_elems : nullptr;
     const int32_t page = pages[i];
     const int64_t visible = std::min<int64_t>(ps, position - static_cast<int64_t>(page) * ps + 1);
     if (visible <= 0) continue;  // the whole page is after the query
     const KV* kp = k_head + page * page_elems;
     const KV* vp = v_head + page * page_elems;
-    for (int64_t g = 0; g < groups; ++g) {
-      const float* qg = qs + g * d;
-      float* sc = score + g * ps;
-      float page_max = kNegLarge;
-      for (int64_t t = 0; t < visible; ++t) {
-        const KV* kt = kp + t * d;
-        float dot = 0.0f;
-#pragma omp simd reduction(+ : dot)
-        for (int64_t j = 0; j < d; ++j) dot += qg[j] * ToFloat(kt[j]);
-        sc[t] = dot;
-        page_max = std::max(page_max, dot);
-      }
-      const float m_new = std::max(m[g], page_max);
-      const float rescale = expf(m[g] - m_new);  // 0 on the first page (m = kNegLarge)
-      float* ag = acc + g * d;
-      float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-      for (int64_t t = 0; t < visible; ++t) {  // vector expf (libmvec) under -ffast-math
-        sc[t] = expf(sc[t] - m_new);
-        sum += sc[t];
-      }
-      sum += l[g] * rescale;
-#pragma omp simd
-      for (int64_t j = 0; j < d; ++j) ag[j] *= rescale;
-      for (int64_t t = 0; t < visible; ++t) {
-        const float w = sc[t];
-        const KV* vt = vp + t * d;
-#pragma omp simd
-        for (int64_t j = 0; j < d; ++j) ag[j] += w * ToFloat(vt[j]);
-      }
-      m[g] = m_new;
-      l[g] = sum;
+    switch (d) {  // head_dim known at compile time for the common sizes: fully unrolled rows
+      case 64: AttendPage<64>(kp, vp, k_ahead, v_ahead, visible, groups, ps, qs, acc, score, m, l); break;
+      case 128: AttendPage<128>(kp, vp, k_ahead, v_ahead, visible, groups, ps, qs, acc, score, m, l); break;
+      default: AttendPage<0>(kp, vp, k_ahead, v_ahead, visible, groups, ps, qs, acc, score, m, l, d); break;
     }
   }
   float* out_group = out + (row * s.heads + kv_head * groups) * d;
@@ -206,6 +239,66 @@ ffi::Error SparseDecodeImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::
   }
 }
 
+// Block top-k page selection of one (row, KV head), the same pages in the same slot order as
+// sparrow_jax.attention.selection.select_pages (lax.top_k: larger score first, lower page
+// index first among equal scores): reserved first pages | top-k candidates | last pages.
+void SelectGroup(const float* scores, int64_t num_pages, int64_t position, int64_t budget, int64_t k_max,
+                 int64_t page_size, int64_t reserved_first, int64_t reserved_last, int32_t* idx, bool* valid,
+                 std::vector<int32_t>& candidates) {
+  const int64_t cur = position / page_size;
+  int64_t slot = 0;
+  for (int64_t i = 0; i < reserved_first; ++i, ++slot) {
+    valid[slot] = i <= cur - reserved_last;
+    idx[slot] = valid[slot] ? static_cast<int32_t>(i) : 0;
+  }
+  candidates.clear();
+  for (int64_t p = reserved_first; p <= std::min(cur - reserved_last, num_pages - 1); ++p) {
+    candidates.push_back(static_cast<int32_t>(p));
+  }
+  const int64_t take = std::max<int64_t>(0, std::min<int64_t>({budget, k_max, static_cast<int64_t>(candidates.size())}));
+  // XLA's top-k orders floats totally (-0 < +0, NaN above +inf): compare sortable bit keys.
+  auto key = [scores](int32_t p) {
+    int32_t bits;
+    std::memcpy(&bits, scores + p, sizeof(bits));
+    return bits ^ ((bits >> 31) & 0x7fffffff);
+  };
+  auto better = [&key](int32_t a, int32_t b) {
+    const int32_t ka = key(a), kb = key(b);
+    return ka > kb || (ka == kb && a < b);
+  };
+  std::partial_sort(candidates.begin(), candidates.begin() + take, candidates.end(), better);
+  for (int64_t j = 0; j < k_max; ++j, ++slot) {
+    valid[slot] = j < take;
+    idx[slot] = valid[slot] ? candidates[j] : 0;
+  }
+  for (int64_t i = 0; i < reserved_last; ++i, ++slot) {
+    valid[slot] = cur - i >= 0;
+    idx[slot] = valid[slot] ? static_cast<int32_t>(cur - i) : 0;
+  }
+}
+
+ffi::Error SelectPagesImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> scores, ffi::Buffer<ffi::S32> positions,
+                           ffi::Buffer<ffi::S32> budget, int64_t k_max, int64_t page_size, int64_t reserved_first,
+                           int64_t reserved_last, ffi::ResultBuffer<ffi::S32> page_idx,
+                           ffi::ResultBuffer<ffi::PRED> page_valid) {
+  auto sd = scores.dimensions();
+  if (sd.size() != 3) return ffi::Error::InvalidArgument("select_pages_cpu: scores must be [B, Hkv, P]");
+  const int64_t kv_heads = sd[1], num_pages = sd[2];
+  const int64_t slots = reserved_first + k_max + reserved_last;
+  const float* sc = scores.typed_data();
+  const int32_t* pos = positions.typed_data();
+  const int32_t* bud = budget.typed_data();
+  int32_t* idx = page_idx->typed_data();
+  bool* valid = reinterpret_cast<bool*>(page_valid->typed_data());
+  ParallelFor(pool, sd[0] * kv_heads, [=](int64_t pair) {
+    thread_local std::vector<int32_t> candidates;
+    const int64_t row = pair / kv_heads;
+    SelectGroup(sc + pair * num_pages, num_pages, pos[row], bud[row], k_max, page_size, reserved_first,
+                reserved_last, idx + pair * slots, valid + pair * slots, candidates);
+  });
+  return ffi::Error::Success();
+}
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(SparrowSparseDecodeCpu, SparseDecodeImpl,
@@ -219,3 +312,16 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(SparrowSparseDecodeCpu, SparseDecodeImpl,
                                   .Arg<ffi::Buffer<ffi::S32>>()    // positions
                                   .Attr<float>("scale")
                                   .Ret<ffi::Buffer<ffi::F32>>());  // out
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(SparrowSelectPagesCpu, SelectPagesImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()    // scores
+                                  .Arg<ffi::Buffer<ffi::S32>>()    // positions
+                                  .Arg<ffi::Buffer<ffi::S32>>()    // budget
+                                  .Attr<int64_t>("k_max")
+                                  .Attr<int64_t>("page_size")
+                                  .Attr<int64_t>("reserved_first")
+                                  .Attr<int64_t>("reserved_last")
+                                  .Ret<ffi::Buffer<ffi::S32>>()    // page_idx
+                                  .Ret<ffi::Buffer<ffi::PRED>>()); // page_valid
