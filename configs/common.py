@@ -106,6 +106,7 @@ def distill_config() -> ConfigDict:
         # and its reward fall (0.034 vs 0.082 without LoRA, 40 steps); reverse kept it (0.088).
         kl="exact_reverse",
         tis_cap=3.0,  # TIS cap of the sparse PPO term (0 disables)
+        updates_per_step=1,  # LoRA optimiser steps per RL step on the same batch (PPO epochs of the LoRA)
         switch_topk=0,  # phase 2: a more aggressive fixed top-k to switch to (0: never switch)
         switch_every=0,  # steps between checks of the LoRA-aided p5 under switch_topk (0: never)
         compare_without=True,  # also run the same RL without LoRA for the report's reward comparison

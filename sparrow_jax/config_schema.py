@@ -19,7 +19,7 @@ CHOICES = {
 POSITIVE = ("steps", "checkpoint_every", "keep_checkpoints", "eval_k", "rollout.prompts_per_step",
             "rollout.group_size", "rollout.max_new_tokens", "schedule.page_size", "schedule.bin_width",
             "train.micro_batches", "task.num_train", "task.num_eval", "mesh.data", "mesh.fsdp", "mesh.tensor",
-            "distill.eval_samples")
+            "distill.eval_samples", "distill.updates_per_step")
 NON_NEGATIVE = ("eval_every", "rollout.temperature", "rollout.top_k", "schedule.topk", "schedule.reserved_first",
                 "schedule.reserved_last", "train.learning_rate", "train.max_grad_norm", "train.clip_low",
                 "train.clip_high", "train.dual_clip", "train.tis_cap", "train.kl_coef", "train.entropy_coef",

@@ -148,11 +148,13 @@ def test_distill_sparse_step_isolates_gradients():
     copy = lambda t: jax.tree.map(lambda x: jnp.array(x, copy=True), t)
     plain, _ = train_step(init_train_state(copy(params), optimizer), _batch(0), config=config,
                           optimizer=optimizer, schedule=schedule, opts=opts)
-    for kl in ("exact", "exact_reverse", "k3"):
+    adapters = {}
+    for kl, updates in (("exact", 1), ("exact_reverse", 1), ("k3", 1), ("exact_reverse", 3)):
         state, lora_state, metrics = train_step(
             init_train_state(copy(params), optimizer), _batch(0), None, LoraState(copy(lora), lora_opt.init(lora)),
             config=config, optimizer=optimizer, schedule=schedule, opts=opts, lora_cfg=lora_cfg,
-            lora_optimizer=lora_opt, distill=DistillOptions(kl=kl, kl_coef=0.1))
+            lora_optimizer=lora_opt, distill=DistillOptions(kl=kl, kl_coef=0.1, updates=updates))
+        adapters[kl, updates] = lora_state.lora
         # the policy update ignores L_LoRA entirely; the adapter moves
         same = jax.tree.map(lambda a, b: bool(np.array_equal(np.asarray(a), np.asarray(b))), plain.params, state.params)
         assert all(jax.tree.leaves(same))
@@ -160,3 +162,7 @@ def test_distill_sparse_step_isolates_gradients():
                  for a, b in zip(jax.tree.leaves(lora), jax.tree.leaves(lora_state.lora))]
         assert any(moved)
         assert float(metrics["distill/grad_norm"]) > 0
+    # three LoRA updates on the batch go further than one (and the policy is still untouched)
+    further = [not np.allclose(np.asarray(a), np.asarray(b)) for a, b in
+               zip(jax.tree.leaves(adapters["exact_reverse", 1]), jax.tree.leaves(adapters["exact_reverse", 3]))]
+    assert any(further)

@@ -60,6 +60,7 @@ class DistillOptions:
     # the sampled tokens only.
     kl: str = "exact_reverse"
     tis_cap: float = 3.0  # TIS cap of the sparse PPO term (0 disables)
+    updates: int = 1  # LoRA optimiser steps per RL step on the same batch (PPO epochs of the LoRA)
 
 
 class LoraState(NamedTuple):
@@ -144,8 +145,12 @@ def _alpha_stats(config, params, sparse_params, tokens, prompt_lens, hidden_dens
 
 
 def _lora_loss(lora, base_params, config: Qwen3Config, lora_cfg: LoraConfig, batch: Batch, hidden_dense,
-               schedule, opts: StepOptions, distill: DistillOptions):
-    """L_LoRA = L_PPO_sparse + lambda * L_KL; base params enter stop-gradient (frozen theta)."""
+               schedule, opts: StepOptions, distill: DistillOptions, logp_sparse_old=None):
+    """L_LoRA = L_PPO_sparse + lambda * L_KL; base params enter stop-gradient (frozen theta).
+
+    ``logp_sparse_old``: the PPO ratio's denominator for a second or later update on the same
+    batch (default: this pass's own log-probs, ratio 1).
+    """
     sparse_params = with_lora(jax.lax.stop_gradient(base_params), lora, lora_cfg)
     h_sparse = sparse_hidden(config, sparse_params, batch.tokens, schedule, remat=opts.remat,
                              prompt_lens=batch.prompt_lens)
@@ -153,7 +158,8 @@ def _lora_loss(lora, base_params, config: Qwen3Config, lora_cfg: LoraConfig, bat
     w_sparse = unembedding(config, sparse_params)
     t = opts.temperature
     logp_sparse, _ = token_logprobs(h_sparse, w_sparse, batch.tokens, t, seq_chunk=opts.seq_chunk)
-    logp_sparse_old = jax.lax.stop_gradient(logp_sparse)
+    if logp_sparse_old is None:
+        logp_sparse_old = jax.lax.stop_gradient(logp_sparse)
     weights = None
     if distill.tis_cap > 0:
         weights, _ = tis_weights(logp_sparse_old, batch.logp_sampler, batch.mask, cap=distill.tis_cap)
@@ -172,7 +178,7 @@ def _lora_loss(lora, base_params, config: Qwen3Config, lora_cfg: LoraConfig, bat
     kl = agg_loss(kl_tok, batch.mask, opts.loss_agg)
     loss = ppo + distill.kl_coef * kl
     return loss, ({"distill/loss": loss, "distill/pg_loss": ppo, "distill/kl": kl},
-                  jax.lax.stop_gradient(alpha), jax.lax.stop_gradient(kl_exact))
+                  jax.lax.stop_gradient(alpha), jax.lax.stop_gradient(kl_exact), logp_sparse_old)
 
 
 @functools.partial(jax.jit, static_argnames=("config", "optimizer", "schedule", "opts", "lora_cfg",
@@ -215,11 +221,21 @@ def train_step(state: TrainState, batch: Batch, sparse_params=None, lora_state: 
     if schedule is not None:
         hidden = hidden.reshape(b, *hidden.shape[2:])
         if lora_state is not None:
-            (_, (dmetrics, alpha, kl)), lora_grads = jax.value_and_grad(_lora_loss, has_aux=True)(
+            lora_grad = jax.value_and_grad(_lora_loss, has_aux=True)
+            (_, (dmetrics, alpha, kl, logp_old)), lora_grads = lora_grad(
                 lora_state.lora, state.params, config, lora_cfg, batch, hidden, schedule, opts, distill)
             lora_updates, lora_opt = lora_optimizer.update(lora_grads, lora_state.opt_state, lora_state.lora)
             new_lora_state = LoraState(optax.apply_updates(lora_state.lora, lora_updates), lora_opt)
-            out.update(dmetrics)
+
+            def another_update(lora_st: LoraState, _):  # PPO epochs of the LoRA on the same batch
+                _, grads = lora_grad(lora_st.lora, state.params, config, lora_cfg, batch, hidden, schedule, opts,
+                                     distill, logp_old)
+                updates, opt = lora_optimizer.update(grads, lora_st.opt_state, lora_st.lora)
+                return LoraState(optax.apply_updates(lora_st.lora, updates), opt), None
+
+            if distill.updates > 1:
+                new_lora_state, _ = jax.lax.scan(another_update, new_lora_state, None, length=distill.updates - 1)
+            out.update(dmetrics)  # mismatch statistics are those of the actor that sampled the batch
             out["distill/grad_norm"] = optax.tree.norm(lora_grads)
         else:
             sp = state.params if sparse_params is None else sparse_params

@@ -134,7 +134,7 @@ class Distiller:
         self.optimizer = optax.adam(d.learning_rate)
         lora = init_lora(params, self.lora_cfg, jax.random.PRNGKey(cfg.seed + 7))
         self.state = LoraState(lora, self.optimizer.init(lora))
-        self.options = DistillOptions(kl_coef=d.kl_coef, kl=d.kl, tis_cap=d.tis_cap)
+        self.options = DistillOptions(kl_coef=d.kl_coef, kl=d.kl, tis_cap=d.tis_cap, updates=d.updates_per_step)
         self._merge = jax.jit(with_lora, static_argnums=2)
         self.switched = False
 
