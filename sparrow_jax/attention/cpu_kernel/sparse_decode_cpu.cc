@@ -11,7 +11,12 @@
 // several fusions over it, so each selected byte is moved about three times and the
 // intermediates are written out. Here each (row, KV head) streams its selected pages once,
 // in ascending order, through a per-page online softmax held in registers / L1, and the
-// (row, KV head) pairs are spread over XLA's own intra-op thread pool.
+// (row, KV head) pairs are spread over XLA's own intra-op thread pool. Software prefetch of
+// pages further on keeps DRAM busy while a page is computed (scattered 4 KiB pages defeat
+// the hardware prefetchers): 0.63 -> 0.38 ms per layer-step at 16K, batch 8, on 2 cores.
+//
+// A second handler, SparrowSelectPagesCpu, does the decode step's block top-k page
+// selection (a partial sort instead of XLA's full top-k).
 #include <algorithm>
 #include <atomic>
 #include <cmath>
@@ -32,7 +37,7 @@ namespace {
 // negative stands in for -inf as the initial running max.
 constexpr float kNegLarge = -1e30f;
 
-constexpr size_t kPrefetchPages = 4;
+constexpr size_t kPrefetchPages = 4;  // pages ahead (2, 3, 4, 8 measured: 4 best, 8 close)
 
 inline void Prefetch(const void* start, int64_t bytes) {
   const char* p = static_cast<const char*>(start);
