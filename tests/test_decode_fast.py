@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from attention_refs import brute_force_sparse_decode
 
 from sparrow_jax.attention import select_pages, sparse_decode_reference
 from sparrow_jax.attention.fast_xla import _sorted_selection, sparse_decode_xla_fast
@@ -23,26 +24,6 @@ from sparrow_jax.rollout import SamplingParams, SparsitySchedule, generate
 
 B, P, S, D = 3, 12, 4, 8
 POS = np.array([47, 21, 3], np.int32)  # last slot of the cache, mid page 5, first page
-
-
-def np_sparse(q, k, v, idx, valid, pos, scale=None):
-    """float64 brute force: softmax over the distinct valid in-range pages' tokens <= pos."""
-    b_, h_, d_ = q.shape
-    _, hkv, p_, s_, _ = k.shape
-    g = h_ // hkv
-    scale = d_ ** -0.5 if scale is None else scale
-    out = np.zeros(q.shape)
-    for b in range(b_):
-        for h in range(h_):
-            kh = h // g
-            pages = sorted({int(p) for p, ok in zip(idx[b, kh], valid[b, kh]) if ok and 0 <= p < p_})
-            toks = [(p, s) for p in pages for s in range(s_) if p * s_ + s <= pos[b]]
-            keys = np.array([k[b, kh, p, s] for p, s in toks], np.float64)
-            vals = np.array([v[b, kh, p, s] for p, s in toks], np.float64)
-            logits = keys @ q[b, h].astype(np.float64) * scale
-            w = np.exp(logits - logits.max())
-            out[b, h] = (w / w.sum()) @ vals
-    return out
 
 
 def _inputs(hkv, groups, seed):
@@ -71,12 +52,12 @@ def test_fast_sparse_matches_numpy_and_reference(hkv, groups):
     idx, valid = _random_selection(hkv, n=7, seed=groups)
     fast = jax.jit(sparse_decode_xla_fast)
     got = np.asarray(fast(q, k, v, idx, valid, POS))
-    np.testing.assert_allclose(got, np_sparse(q, k, v, idx, valid, POS), atol=1e-5, rtol=0)
+    np.testing.assert_allclose(got, brute_force_sparse_decode(q, k, v, idx, valid, POS), atol=1e-5, rtol=0)
     ref = np.asarray(sparse_decode_reference(q, k, v, idx, valid, POS))
     np.testing.assert_allclose(got, ref, atol=1e-5, rtol=0)
     # An explicit scale reaches the softmax.
     got2 = np.asarray(sparse_decode_xla_fast(q, k, v, idx, valid, POS, scale=0.05))
-    np.testing.assert_allclose(got2, np_sparse(q, k, v, idx, valid, POS, scale=0.05), atol=1e-5, rtol=0)
+    np.testing.assert_allclose(got2, brute_force_sparse_decode(q, k, v, idx, valid, POS, scale=0.05), atol=1e-5, rtol=0)
     assert np.abs(got2 - got).max() > 1e-3
 
 
@@ -100,7 +81,7 @@ def test_fast_sparse_on_real_selection_equals_reference():
         idx, valid = select_pages(jnp.asarray(scores), jnp.asarray(POS)[:, None], jnp.full((B, 1), budget),
                                   k_max=9, page_size=S)
         got = np.asarray(sparse_decode_xla_fast(q, k, v, idx, valid, POS))
-        want = np_sparse(q, k, v, np.asarray(idx), np.asarray(valid), POS)
+        want = brute_force_sparse_decode(q, k, v, np.asarray(idx), np.asarray(valid), POS)
         np.testing.assert_allclose(got, want, atol=1e-5, rtol=0, err_msg=f"budget {budget}")
 
 

@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from attention_refs import brute_force_sparse_decode
 
 from pallas_kernels import sparse_decode_gpu, sparse_decode_tpu, sparse_decode_triton, triton_available
 from sparrow_jax.attention import dense_decode, select_pages, sparse_decode, sparse_decode_reference
@@ -68,26 +69,6 @@ def _select(config: str, budget, seed: int, drop: float = 0.0):
     return np.array(idx), valid
 
 
-def _numpy_reference(q, k, v, page_idx, page_valid, positions, scale=None):
-    """Brute force: softmax over the distinct valid in-range pages' tokens at <= position."""
-    b, heads, dim = q.shape
-    _, kv_heads, pages, page_size, _ = k.shape
-    group = heads // kv_heads
-    scale = dim ** -0.5 if scale is None else scale
-    out = np.zeros(q.shape, np.float64)
-    for bi in range(b):
-        for h in range(heads):
-            kh = h // group
-            chosen = {int(p) for p, ok in zip(page_idx[bi, kh], page_valid[bi, kh]) if ok and 0 <= p < pages}
-            toks = [(p, s) for p in sorted(chosen) for s in range(page_size) if p * page_size + s <= positions[bi]]
-            keys = np.array([k[bi, kh, p, s] for p, s in toks], np.float64)
-            vals = np.array([v[bi, kh, p, s] for p, s in toks], np.float64)
-            logits = keys @ q[bi, h].astype(np.float64) * scale
-            w = np.exp(logits - logits.max())
-            out[bi, h] = (w / w.sum()) @ vals
-    return out
-
-
 @pytest.mark.parametrize("config", sorted(CONFIGS))
 @pytest.mark.parametrize("impl", IMPLS)
 def test_matches_references_small_budgets(impl, config):
@@ -97,7 +78,7 @@ def test_matches_references_small_budgets(impl, config):
     got = np.asarray(_impl(impl, config)(q, k, v, idx, valid, POSITIONS))
     ref = np.asarray(sparse_decode_reference(q, k, v, idx, valid, POSITIONS))
     np.testing.assert_allclose(got, ref, atol=1e-5, rtol=0)
-    np.testing.assert_allclose(got, _numpy_reference(q, k, v, idx, valid, POSITIONS), atol=1e-5, rtol=0)
+    np.testing.assert_allclose(got, brute_force_sparse_decode(q, k, v, idx, valid, POSITIONS), atol=1e-5, rtol=0)
 
 
 @pytest.mark.parametrize("config", sorted(CONFIGS))
@@ -118,7 +99,7 @@ def test_bfloat16_cache(impl):
     got = _impl(impl, config)(q, k, v, idx, valid, POSITIONS)
     assert got.dtype == jnp.bfloat16
     f32 = lambda x: np.asarray(x, np.float32)
-    want = _numpy_reference(f32(q), f32(k), f32(v), idx, valid, POSITIONS)
+    want = brute_force_sparse_decode(f32(q), f32(k), f32(v), idx, valid, POSITIONS)
     np.testing.assert_allclose(f32(got), want, atol=2e-2, rtol=0)
     ref = sparse_decode_reference(q, k, v, idx, valid, POSITIONS)
     np.testing.assert_allclose(f32(got), f32(ref), atol=2e-2, rtol=0)
@@ -138,7 +119,7 @@ def test_arbitrary_selection_masks_future_and_out_of_range(impl):
     idx[:, 1] = idx[:, 1, ::-1]  # the other KV head sees the same pages in reverse order
     valid[:, 1] = valid[:, 1, ::-1]
     got = np.asarray(_impl(impl, config)(q, k, v, idx, valid, POSITIONS))
-    want = _numpy_reference(q, k, v, idx, valid, POSITIONS)
+    want = brute_force_sparse_decode(q, k, v, idx, valid, POSITIONS)
     np.testing.assert_allclose(got, want, atol=1e-5, rtol=0)
     ref = np.asarray(sparse_decode_reference(q, k, v, idx, valid, POSITIONS))
     np.testing.assert_allclose(got, ref, atol=1e-5, rtol=0)
@@ -151,7 +132,7 @@ def test_dispatch_from_decode_uses_interpreted_kernel(impl):
     q, k, v = _inputs(config, seed=3)
     idx, valid = _select(config, budget=np.array([1, 2, 0]), seed=3)
     got = np.asarray(sparse_decode(q, k, v, idx, valid, POSITIONS, impl=impl))
-    np.testing.assert_allclose(got, _numpy_reference(q, k, v, idx, valid, POSITIONS), atol=1e-5, rtol=0)
+    np.testing.assert_allclose(got, brute_force_sparse_decode(q, k, v, idx, valid, POSITIONS), atol=1e-5, rtol=0)
 
 
 def test_tpu_kernel_double_buffering_has_no_dma_races():
@@ -166,7 +147,7 @@ def test_tpu_kernel_double_buffering_has_no_dma_races():
     params = pltpu.InterpretParams(detect_races=True, dma_execution_mode="eager")
     got = np.asarray(sparse_decode_tpu(q, k, v, idx, valid, POSITIONS, interpret=params, pages_per_block=2))
     assert tpu_interp.races is not None and not tpu_interp.races.races_found
-    np.testing.assert_allclose(got, _numpy_reference(q, k, v, idx, valid, POSITIONS), atol=1e-5, rtol=0)
+    np.testing.assert_allclose(got, brute_force_sparse_decode(q, k, v, idx, valid, POSITIONS), atol=1e-5, rtol=0)
 
 
 @pytest.mark.parametrize("kernel", [sparse_decode_tpu, sparse_decode_gpu, sparse_decode_triton, sparse_decode_cpu])
@@ -193,7 +174,7 @@ def test_gpu_kernel_split_k_merge(num_splits):
     idx, valid = _select(config, budget=np.array([4, 0, 1]), seed=9)
     got = sparse_decode_gpu(q, k, v, idx, valid, POSITIONS, interpret=True, pages_per_block=2,
                             num_splits=num_splits)
-    np.testing.assert_allclose(np.asarray(got), _numpy_reference(q, k, v, idx, valid, POSITIONS),
+    np.testing.assert_allclose(np.asarray(got), brute_force_sparse_decode(q, k, v, idx, valid, POSITIONS),
                                atol=1e-5, rtol=0)
     with pytest.raises(ValueError, match="num_splits"):
         sparse_decode_gpu(q, k, v, idx, valid, POSITIONS, interpret=True, pages_per_block=2, num_splits=5)
@@ -252,7 +233,7 @@ def test_cpu_kernel_counts_a_repeated_page_once_and_empty_rows_give_zero():
     valid[2] = False
     idx[2, :, 0], valid[2, :, 0] = 5, True  # row 2 decodes at position 0: page 5 is all in its future
     got = np.asarray(kernel(q, k, v, idx, valid, POSITIONS))
-    want = _numpy_reference(q[:2], k[:2], v[:2], idx[:2], valid[:2], POSITIONS[:2])
+    want = brute_force_sparse_decode(q[:2], k[:2], v[:2], idx[:2], valid[:2], POSITIONS[:2])
     np.testing.assert_allclose(got[:2], want, atol=1e-5, rtol=0)
     assert np.array_equal(got[2], np.zeros_like(got[2]))
 
