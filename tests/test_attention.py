@@ -332,6 +332,14 @@ def test_group_mean_query_and_scores_match_numpy():
                                    selector="quest"))
     np.testing.assert_allclose(got_c, want_c, atol=1e-5)
     np.testing.assert_allclose(got_q, want_q, atol=1e-5)
+    # Several queries at once ([B, Hkv, Q, D], the teacher-forced scorer's form) score each alone.
+    qs = jnp.asarray(r.randn(b, hkv, 3, d).astype(np.float32))
+    for selector, meta in (("centroid", ()), ("quest", (jnp.asarray(lo), jnp.asarray(hi)))):
+        many = np.asarray(score_pages(qs, jnp.asarray(cen), *meta, selector=selector))
+        assert many.shape == (b, hkv, 3, p)
+        for i in range(3):
+            np.testing.assert_allclose(many[:, :, i], score_pages(qs[:, :, i], jnp.asarray(cen), *meta,
+                                                                  selector=selector), atol=1e-5)
     # Quest is an upper bound on q . k for every key inside [kmin, kmax].
     inside = lo + (hi - lo) * r.rand(b, hkv, p, d)
     assert np.all(np.einsum("bhd,bhpd->bhp", qg, inside) <= got_q + 1e-5)

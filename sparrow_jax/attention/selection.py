@@ -25,16 +25,22 @@ def score_pages(qg: jax.Array, centroid: jax.Array, kmin=None, kmax=None,
                 selector: str = "centroid") -> jax.Array:
     """Page scores from group-mean queries.
 
-    qg: [B, Hkv, D] (decode) ; metadata [B, Hkv, P, D]. Returns [B, Hkv, P] float32.
+    qg: [B, Hkv, D] (decode) or [B, Hkv, Q, D] (Q queries, teacher forcing); metadata
+    [B, Hkv, P, D]. Returns [B, Hkv, P] or [B, Hkv, Q, P] float32.
     centroid: ``qg . centroid``; quest: ``sum_d max(qg_d * kmin_d, qg_d * kmax_d)``.
     """
+    if selector not in SELECTORS:
+        raise ValueError(f"unknown page selector {selector!r}; expected one of {SELECTORS}")
+    if selector == "quest" and kmin is None:
+        raise ValueError("quest selector needs a cache built with with_minmax=True")
+    one_query = qg.ndim == 3
+    q4 = qg[:, :, None] if one_query else qg  # [B, Hkv, Q, D]
     if selector == "centroid":
-        return jnp.einsum("bhd,bhpd->bhp", qg, centroid)
-    if selector == "quest":
-        if kmin is None:
-            raise ValueError("quest selector needs a cache built with with_minmax=True")
-        return jnp.sum(jnp.maximum(qg[:, :, None] * kmin, qg[:, :, None] * kmax), axis=-1)
-    raise ValueError(f"unknown page selector {selector!r}; expected one of {SELECTORS}")
+        scores = jnp.einsum("bhqd,bhpd->bhqp", q4, centroid)
+    else:
+        scores = jnp.sum(jnp.maximum(q4[:, :, :, None] * kmin[:, :, None], q4[:, :, :, None] * kmax[:, :, None]),
+                         axis=-1)
+    return scores[:, :, 0] if one_query else scores
 
 
 def select_pages(scores: jax.Array, positions: jax.Array, budget: jax.Array, k_max: int,

@@ -77,11 +77,7 @@ def sparse_page_mask_fn(k: jax.Array, budget: jax.Array, k_max: int, schedule,
     def page_mask(start, q_chunk):
         c = q_chunk.shape[1]
         qg = group_mean_query(q_chunk, hkv).transpose(0, 2, 1, 3)  # [B, Hkv, C, D]
-        if schedule.selector == "centroid":
-            scores = jnp.einsum("bhcd,bhpd->bhcp", qg, centroid)
-        else:
-            scores = jnp.sum(jnp.maximum(qg[:, :, :, None] * kmin[:, :, None],
-                                         qg[:, :, :, None] * kmax[:, :, None]), axis=-1)
+        scores = score_pages(qg, centroid, kmin, kmax, schedule.selector)
         q_pos = start + jnp.arange(c)
         chunk_budget = jax.lax.dynamic_slice_in_dim(budget_p, start, c, axis=1)
         idx, valid = select_pages(scores, q_pos[None, None, :], chunk_budget[:, None, :], k_max, s,
