@@ -182,7 +182,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--steps", type=int, default=4, help="loop mode: rounds per timed call")
     parser.add_argument("--batch", type=int, default=BATCH, help="rows (GPUs need many to be memory-bound)")
     parser.add_argument("--impl", default="auto", choices=IMPLEMENTATIONS,
-                        help="sparse attention implementation (auto: Pallas on GPU/TPU; on CPU the C++ kernel, XLA without a compiler)")
+                        help="sparse attention implementation "
+                             "(auto: Pallas on GPU/TPU; on CPU the C++ kernel, XLA without a compiler)")
     parser.add_argument("--out", default=OUT_PATH)
     args = parser.parse_args(argv)
     load_start = os.getloadavg()[0]

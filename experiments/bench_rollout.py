@@ -102,7 +102,8 @@ def main(argv=None):
     ap.add_argument("--page_size", type=int, default=16)
     ap.add_argument("--skip_hf", action="store_true")
     ap.add_argument("--impl", default="auto", choices=IMPLEMENTATIONS,
-                    help="sparse attention implementation (auto: Pallas on GPU/TPU; on CPU the C++ kernel, XLA without a compiler)")
+                    help="sparse attention implementation "
+                         "(auto: Pallas on GPU/TPU; on CPU the C++ kernel, XLA without a compiler)")
     ap.add_argument("--hf_device", default="auto", help="torch device for HF (auto: cuda when JAX runs on GPU)")
     ap.add_argument("--out", default="runs/bench/bench_rollout.json")
     args = ap.parse_args(argv)
