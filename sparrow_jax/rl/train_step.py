@@ -123,8 +123,8 @@ def _policy_loss(params, config: Qwen3Config, mb: Batch, opts: StepOptions):
 def _per_token_mismatch(h_dense, h_sparse, w_dense, w_sparse, tokens, opts: StepOptions, reverse_kl: bool = False):
     """Exact alpha, KL(dense || sparse) and dense log-prob of each token, chunked. -> 3 x [B, T]
 
-    With ``reverse_kl`` a fourth [B, T]: KL(sparse || dense). Differentiable w.r.t. ``h_sparse`` / ``w_sparse`` (DistillSparse's exact KL); callers
-    stop gradients where they want none.
+    With ``reverse_kl`` a fourth [B, T]: KL(sparse || dense). Differentiable w.r.t. ``h_sparse`` /
+    ``w_sparse`` (DistillSparse's exact KL); callers stop gradients where they want none.
     """
     t = opts.temperature
 
@@ -222,16 +222,19 @@ def train_step(state: TrainState, batch: Batch, sparse_params=None, lora_state: 
         hidden = hidden.reshape(b, *hidden.shape[2:])
         if lora_state is not None:
             lora_grad = jax.value_and_grad(_lora_loss, has_aux=True)
+
+            def apply_lora_grads(lora_st: LoraState, grads) -> LoraState:
+                updates, opt = lora_optimizer.update(grads, lora_st.opt_state, lora_st.lora)
+                return LoraState(optax.apply_updates(lora_st.lora, updates), opt)
+
             (_, (dmetrics, alpha, kl, logp_old)), lora_grads = lora_grad(
                 lora_state.lora, state.params, config, lora_cfg, batch, hidden, schedule, opts, distill)
-            lora_updates, lora_opt = lora_optimizer.update(lora_grads, lora_state.opt_state, lora_state.lora)
-            new_lora_state = LoraState(optax.apply_updates(lora_state.lora, lora_updates), lora_opt)
+            new_lora_state = apply_lora_grads(lora_state, lora_grads)
 
             def another_update(lora_st: LoraState, _):  # PPO epochs of the LoRA on the same batch
                 _, grads = lora_grad(lora_st.lora, state.params, config, lora_cfg, batch, hidden, schedule, opts,
                                      distill, logp_old)
-                updates, opt = lora_optimizer.update(grads, lora_st.opt_state, lora_st.lora)
-                return LoraState(optax.apply_updates(lora_st.lora, updates), opt), None
+                return apply_lora_grads(lora_st, grads), None
 
             if distill.updates > 1:
                 new_lora_state, _ = jax.lax.scan(another_update, new_lora_state, None, length=distill.updates - 1)
