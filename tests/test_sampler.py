@@ -1,11 +1,13 @@
 """Sampler: HF greedy parity, log-probs, sparse == dense at full budget, compiles, sampling rules."""
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from hf_utils import make_hf_model
-from sparrow_jax.models import dense_logits, init_params, load_hf, tiny_config
+from sparrow_jax.models import decode_step, dense_logits, init_caches, init_params, load_hf, prefill, tiny_config
 from sparrow_jax.rollout import SamplingParams, SparsitySchedule, generate, sample_logits
 
 CONFIG = tiny_config(num_hidden_layers=2)
@@ -66,6 +68,57 @@ def test_compiles_bounded_by_budget_buckets_and_reproducible():
     np.testing.assert_array_equal(again.tokens, first.tokens)
     other = generate(CONFIG, PARAMS, prompts, jax.random.PRNGKey(3), sampling, schedule=schedule)
     assert not np.array_equal(other.tokens, first.tokens)
+
+
+def _greedy_reference(schedule, prompts, steps):
+    """Greedy sparse decoding one eager step at a time with the tight k_max (the largest top-k
+    any row uses at that step): the computation generate() did before the schedule became data."""
+    lens = np.array([len(p) for p in prompts])
+    buf = 64
+    tokens = np.zeros((len(prompts), buf), np.int32)
+    for b, p in enumerate(prompts):
+        tokens[b, :len(p)] = p
+    caches = init_caches(CONFIG, len(prompts), buf, page_size=schedule.page_size)
+    caches = prefill(CONFIG, PARAMS, jnp.asarray(tokens[:, :int(lens.max())]), jnp.asarray(lens - 1), caches)
+    pos = lens - 1
+    for _ in range(steps):
+        k_max = int(schedule.topk_at(pos).max())
+        logits, caches = decode_step(CONFIG, PARAMS, jnp.asarray(tokens[np.arange(len(pos)), pos]),
+                                     jnp.asarray(pos, jnp.int32), caches, schedule=schedule, k_max=k_max)
+        pos = pos + 1
+        tokens[np.arange(len(pos)), pos] = np.asarray(jnp.argmax(logits, -1))
+    return tokens
+
+
+def test_greedy_sparse_generate_matches_tight_k_max_reference():
+    """generate() runs each segment at a bucketed k_max >= the tight one with the top-k table as
+    data; greedy tokens equal step-by-step decoding at the tight k_max."""
+    schedule = SparsitySchedule(topk=(1, 3, 5), bin_width=16, page_size=4, dense_layers=(0,))
+    prompts = _prompts((6, 13))
+    steps = 36
+    assert [k for _, _, k in schedule.decode_segments(np.array([5, 12]), steps)] == [1, 3, 6]  # 5 -> bucket 6
+    out = generate(CONFIG, PARAMS, prompts, jax.random.PRNGKey(0),
+                   SamplingParams(max_new_tokens=steps, temperature=0.0), schedule=schedule)
+    ref = _greedy_reference(schedule, prompts, steps)
+    for b, n in enumerate(out.lengths):
+        np.testing.assert_array_equal(out.tokens[b, :n], ref[b, :n])
+
+
+def test_budget_change_within_buckets_compiles_nothing():
+    """The top-k table is traced: new budgets with the same layout and k_max buckets reuse the
+    compiled decode segments (and change the rollout)."""
+    base = SparsitySchedule(topk=(5, 6, 7), bin_width=16, page_size=2, dense_layers=(0,))  # buckets 6, 8
+    prompts = _prompts((6, 12))
+    sampling = SamplingParams(max_new_tokens=40, temperature=0.0)
+    first = generate(CONFIG, PARAMS, prompts, jax.random.PRNGKey(2), sampling, schedule=base)
+    outs = []
+    for topk in ((6, 6, 8), (5, 5, 7)):
+        changed = dataclasses.replace(base, topk=topk)
+        out = generate(CONFIG, PARAMS, prompts, jax.random.PRNGKey(2), sampling, schedule=changed)
+        assert out.stats["compiles"] == 0, topk
+        outs.append(out.tokens)
+    assert first.stats["compiles"] >= 1
+    assert any(not np.array_equal(o, first.tokens) for o in outs)  # the new budgets are used
 
 
 def test_stop_tokens_and_length_limits():

@@ -1,4 +1,5 @@
 """Trainer: compile-once train step, config validation, SIGKILL + resume of experiments.run."""
+import dataclasses
 import json
 import os
 import signal
@@ -30,14 +31,18 @@ def _batch(seed, b=4, t=48, vocab=128):
 
 
 def test_train_step_compiles_once_and_updates_params():
+    """One compilation for three steps whose schedules differ only in budgets within one k_max
+    bucket (the top-k table is traced)."""
     config = tiny_config()
     optimizer = make_optimizer(1e-3)
     state = init_train_state(init_params(config), optimizer)
     before = jax.tree.map(lambda x: np.asarray(x).copy(), state.params)
-    schedule = SparsitySchedule.fixed(1, page_size=8, bin_width=16, dense_layers=(0,))
+    base = SparsitySchedule(topk=(1, 2), page_size=8, bin_width=16, dense_layers=(0,))
+    schedules = [base, dataclasses.replace(base, topk=(2, 2)), dataclasses.replace(base, topk=(0, 2))]
+    assert len({s.k_max for s in schedules}) == 1
     opts = StepOptions(micro_batches=2, num_bins=3, bin_width=16)
     n0 = train_step._cache_size()
-    for seed in range(3):
+    for seed, schedule in enumerate(schedules):
         state, metrics = train_step(state, _batch(seed), config=config, optimizer=optimizer,
                                     schedule=schedule, opts=opts)
     assert train_step._cache_size() - n0 == 1

@@ -57,7 +57,7 @@ def token_logprobs(hidden: jax.Array, unembed: jax.Array, tokens: jax.Array, tem
     return _shift(logp), _shift(ent)
 
 
-@functools.partial(jax.jit, static_argnames=("config", "schedule", "temperature", "seq_chunk",
+@functools.partial(jax.jit, static_argnames=("config", "temperature", "seq_chunk",
                                              "vocab_chunk", "top_k", "k_max"))
 def score_rollout(config: Qwen3Config, dense_params: Params, sparse_params: Params, tokens: jax.Array,
                   prompt_lens: Optional[jax.Array] = None, *, schedule, temperature: float = 1.0, seq_chunk: int = 256, vocab_chunk: int = 8192,

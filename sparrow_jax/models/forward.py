@@ -96,7 +96,8 @@ def sparse_hidden(config: Qwen3Config, params: Params, tokens: jax.Array, schedu
     """Teacher-forced hidden states under the sparse actor's attention. -> [B, L, hidden].
 
     Position t uses the pages the sparse sampler selects when decoding the token at t
-    (budget ``schedule.topk_at(t)``); layers in ``schedule.dense_layers`` stay dense.
+    (budget ``schedule.topk_at(t)``, the top-k table may be traced); layers in
+    ``schedule.dense_layers`` stay dense. ``k_max`` (static) defaults to ``schedule.k_max``.
     ``prompt_lens`` [B]: the sampler prefills ``prompt[:-1]`` densely, so positions below
     ``prompt_lens - 1`` attend to every page (needed once two or more layers are sparse).
     """
@@ -104,7 +105,7 @@ def sparse_hidden(config: Qwen3Config, params: Params, tokens: jax.Array, schedu
     positions = _positions(tokens)
     budget = schedule.topk_at(positions)
     if k_max is None:
-        k_max = max(schedule.k_buckets(t) or (0,))
+        k_max = schedule.k_max
     model = bind(config, params)
     dense_layers = set(schedule.dense_layers)
 

@@ -181,8 +181,8 @@ def _lora_loss(lora, base_params, config: Qwen3Config, lora_cfg: LoraConfig, bat
                   jax.lax.stop_gradient(alpha), jax.lax.stop_gradient(kl_exact), logp_sparse_old)
 
 
-@functools.partial(jax.jit, static_argnames=("config", "optimizer", "schedule", "opts", "lora_cfg",
-                                             "lora_optimizer", "distill"), donate_argnums=(0, 3))
+@functools.partial(jax.jit, static_argnames=("config", "optimizer", "opts", "lora_cfg", "lora_optimizer",
+                                             "distill"), donate_argnums=(0, 3))
 def train_step(state: TrainState, batch: Batch, sparse_params=None, lora_state: Optional[LoraState] = None, *,
                config: Qwen3Config, optimizer: optax.GradientTransformation, schedule=None,
                opts: StepOptions = StepOptions(), lora_cfg: Optional[LoraConfig] = None,
@@ -191,7 +191,9 @@ def train_step(state: TrainState, batch: Batch, sparse_params=None, lora_state: 
     """One RL update. Returns (new_state, metrics) or, with ``lora_state``, (new_state, new_lora_state, metrics).
 
     ``sparse_params`` are the sparse actor's params (defaults to the policy's); with
-    ``schedule=None`` (dense rollouts) no sparse statistics are computed. With
+    ``schedule=None`` (dense rollouts) no sparse statistics are computed. The schedule is
+    data (its top-k table is traced; layout and ``k_max`` bucket static), so a budget
+    change within the bucket compiles nothing new. With
     ``lora_state`` (DistillSparse) the sparse actor is ``with_lora(params, lora)``: the
     policy gets gradients only from the dense PPO loss, the LoRA only from L_LoRA.
     """

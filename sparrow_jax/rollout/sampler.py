@@ -8,9 +8,10 @@ Layout of a rollout (right-padded rows, absolute positions from 0):
 
 Every sampled token comes from one decode step: prefill writes ``prompt[:-1]`` into the
 cache and the first decode step feeds the last prompt token. In sparse mode each row's
-top-k budget follows its own position (``schedule.topk_at``); the decode loop is split
-into segments with a static ``k_max`` bucket each, so a rollout compiles at most once
-per distinct bucket (and never again for the same shapes).
+top-k budget follows its own position (``schedule.topk_at``). The schedule enters the
+decode loop as data (its top-k table is traced); the loop is split into segments with a
+static ``k_max`` bucket each (``schedule.decode_segments``), so a rollout compiles at most
+once per distinct bucket and layout, and a budget change within the buckets compiles nothing.
 """
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ import numpy as np
 from sparrow_jax.models.config import Qwen3Config
 from sparrow_jax.models.forward import decode_step, init_caches, prefill
 from sparrow_jax.models.qwen3 import Params
+from sparrow_jax.rollout.schedule import SparsitySchedule
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,12 +101,15 @@ def sample_logits(logits: jax.Array, key: jax.Array, sampling: SamplingParams):
     return tok.astype(jnp.int32), jnp.take_along_axis(logp, tok[:, None], -1)[:, 0]
 
 
-@functools.partial(jax.jit, static_argnames=("config", "schedule", "k_max", "impl", "sampling"),
+@functools.partial(jax.jit, static_argnames=("config", "k_max", "impl", "sampling"),
                    donate_argnames=("state",))
 def _decode_segment(state: _LoopState, params: Params, step_limit: jax.Array, max_pos: jax.Array,
-                    end_pos: jax.Array, *, config: Qwen3Config, schedule, k_max: int, impl: str,
-                    sampling: SamplingParams) -> _LoopState:
-    """Run decode steps until ``step_limit`` or every row is done."""
+                    end_pos: jax.Array, schedule: Optional[SparsitySchedule], *, config: Qwen3Config,
+                    k_max: int, impl: str, sampling: SamplingParams) -> _LoopState:
+    """Run decode steps until ``step_limit`` or every row is done.
+
+    ``schedule`` is a pytree argument: its top-k table is traced, its layout static.
+    """
     rows = jnp.arange(state.tokens.shape[0])
     stop_ids = jnp.asarray(sampling.stop_ids or (-1,), jnp.int32)
 
@@ -186,16 +191,15 @@ def generate(config: Qwen3Config, params: Params, prompts: Sequence[Sequence[int
     if schedule is None:
         segments = [(0, sampling.max_new_tokens, 0)]
     else:
-        segments = schedule.bucket_segments(start, sampling.max_new_tokens)
+        segments = schedule.decode_segments(start, sampling.max_new_tokens)
     compiles_before = _decode_segment._cache_size()
     t1 = time.perf_counter()
     for first, count, k_max in segments:
         seg_end = first + count
         while True:
             limit = min(seg_end, int(state.step) + (progress_every if progress else count))
-            state = _decode_segment(state, params, jnp.int32(limit), jnp.int32(cap - 1), end_pos,
-                                    config=config, schedule=schedule, k_max=int(k_max), impl=impl,
-                                    sampling=sampling)
+            state = _decode_segment(state, params, jnp.int32(limit), jnp.int32(cap - 1), end_pos, schedule,
+                                    config=config, k_max=int(k_max), impl=impl, sampling=sampling)
             step = int(state.step)
             if progress:
                 elapsed = time.perf_counter() - t1

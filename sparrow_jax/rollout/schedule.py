@@ -6,9 +6,13 @@ the token's absolute position (prompt included). Positions are cut into bins of
 later position. Reserved pages (the first page and the last two) come on top, so the KV
 budget in tokens is ``(topk + reserved_first + reserved_last) * page_size``.
 
-The sampler compiles one decode loop per distinct top-k value (a static ``k_max``), so
-``k_buckets`` bounds compilations and ``bucket_segments`` splits a rollout into runs of
-decode steps that share one ``k_max``.
+A schedule is a pytree: inside ``jax.jit`` its top-k table is a traced int32 array
+``[num_bins]`` and only its layout (page size, bin width, reserved pages, dense layers,
+selector, number of bins) and a coarse static ``k_max`` bucket (:func:`k_max_bucket` of the
+largest top-k) are static. So ``dataclasses.replace(s, topk=...)`` with the same layout and
+bucket compiles nothing new. The sampler splits a rollout into runs of decode steps that
+share one ``k_max`` bucket (``decode_segments``); ``k_buckets`` / ``bucket_segments`` give
+the tight (unbucketed) values.
 
 Paper presets (``from_preset``) ship in ``presets/paper_schedules.json``: tables from the
 release of "Sparrow: Sparse Rollout for Stable and Efficient Long-context RL of Large
@@ -44,6 +48,19 @@ class Segment(NamedTuple):
     k_max: int
 
 
+def k_max_bucket(k: int) -> int:
+    """The static ``k_max`` compiled for a largest top-k of ``k``: the smallest value of the
+    grid 0, 1, 2, 3, 4, 6, 8, 12, 16, 24, ... (powers of two and 1.5x powers of two) that is
+    >= ``k``. Coarse so budget changes rarely recompile; at most 1.5x the pages selected."""
+    if not _is_int(k) or k < 0:
+        raise ValueError(f"k: expected an int >= 0, got {k!r}")
+    k = int(k)
+    if k <= 4:
+        return k
+    p = 1 << (k - 1).bit_length()  # next power of two >= k
+    return 3 * p // 4 if k <= 3 * p // 4 else p
+
+
 def _is_int(x: Any) -> bool:
     return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
 
@@ -59,7 +76,10 @@ def _int_tuple(field: str, value: Any) -> tuple[int, ...]:
 
 @dataclasses.dataclass(frozen=True)
 class SparsitySchedule:
-    """Block top-k pages per absolute-position bin. Hashable: usable as a jit static arg.
+    """Block top-k pages per absolute-position bin. A pytree (see the module docstring).
+
+    On the host ``topk`` is a tuple of ints and the schedule is hashable; inside ``jax.jit``
+    ``topk`` is a traced int32 array and ``name`` / ``meta`` are dropped.
 
     Fields:
       topk: top-k pages per bin, non-decreasing; the last entry covers all later positions.
@@ -131,6 +151,12 @@ class SparsitySchedule:
         return len(self.topk)
 
     @property
+    def k_max(self) -> int:
+        """The static ``k_max`` bucket of this schedule (``k_max_bucket(max(topk))``)."""
+        traced = self.__dict__.get("_k_max")
+        return traced if traced is not None else k_max_bucket(max(self.topk))
+
+    @property
     def reserved(self) -> int:
         """Reserved pages per step (first + last)."""
         return self.reserved_first + self.reserved_last
@@ -141,17 +167,16 @@ class SparsitySchedule:
         Returns int32 of the same shape: a jax array for jax input (jittable, traced input
         fine), a numpy array otherwise. Negative positions clip to bin 0.
         """
-        if isinstance(positions, jax.Array):  # also true for tracers
+        if isinstance(positions, jax.Array) or isinstance(self.topk, jax.Array):  # tracers too
             xp = jnp
+            positions = jnp.asarray(positions)
         else:
             xp = np
             positions = np.asarray(positions)
         if not jnp.issubdtype(positions.dtype, jnp.integer):
             raise TypeError(f"positions: expected an integer dtype, got {positions.dtype}")
         table = xp.asarray(self.topk, dtype=xp.int32)
-        # Floor division then clip: the last bin covers every later position.
-        bins = xp.clip(positions // self.bin_width, 0, self.num_bins - 1)
-        return xp.take(table, bins.astype(xp.int32), mode="clip")
+        return xp.take(table, position_bins(positions, self.bin_width, self.num_bins), mode="clip")
 
     def budget_tokens_at(self, positions: Any) -> Any:
         """KV budget in tokens at ``positions``: (topk + reserved_first + reserved_last) * page_size."""
@@ -202,6 +227,19 @@ class SparsitySchedule:
                 cuts.append(edge)
         cuts.append(steps)
         return [Segment(a, b - a, int(self.topk_at(p0 + a))) for a, b in zip(cuts[:-1], cuts[1:])]
+
+    def decode_segments(self, start_positions: Any, max_new_tokens: int) -> list[Segment]:
+        """``bucket_segments`` with each ``k_max`` raised to its :func:`k_max_bucket` and
+        consecutive segments of one bucket merged: the decode loop's compile keys, so a budget
+        change that keeps every bucket compiles nothing new."""
+        out: list[Segment] = []
+        for first, count, k in self.bucket_segments(start_positions, max_new_tokens):
+            k = k_max_bucket(k)
+            if out and out[-1].k_max == k:
+                out[-1] = Segment(out[-1].first_step, out[-1].num_steps + count, k)
+            else:
+                out.append(Segment(first, count, k))
+        return out
 
     # ------------------------------------------------------------- constructors
     @classmethod
@@ -310,6 +348,39 @@ class SparsitySchedule:
         with open(os.fspath(path), "w", encoding="utf-8") as f:
             json.dump(self.to_dict(), f, indent=1)
             f.write("\n")
+
+
+# ---------------------------------------------------------------------- pytree
+_LAYOUT = ("bin_width", "page_size", "reserved_first", "reserved_last", "dense_layers", "selector")
+
+
+def _flatten(s: SparsitySchedule):
+    # Static: the layout and the k_max bucket (the table's length is static via its shape).
+    return (np.asarray(s.topk, np.int32) if isinstance(s.topk, tuple) else s.topk,), \
+        (tuple(getattr(s, f) for f in _LAYOUT), s.k_max)
+
+
+def _unflatten(aux, children) -> SparsitySchedule:
+    layout, k_max = aux
+    s = object.__new__(SparsitySchedule)  # no validation: topk may be a tracer
+    for f, v in zip(_LAYOUT, layout):
+        object.__setattr__(s, f, v)
+    object.__setattr__(s, "topk", children[0])
+    object.__setattr__(s, "name", "")
+    object.__setattr__(s, "meta", None)
+    object.__setattr__(s, "_k_max", k_max)
+    return s
+
+
+jax.tree_util.register_pytree_node(SparsitySchedule, _flatten, _unflatten)
+
+
+def position_bins(positions: Any, bin_width: int, num_bins: int) -> Any:
+    """Bin index of absolute ``positions`` (int, any shape): ``positions // bin_width`` clipped
+    to ``[0, num_bins - 1]``, so the last bin covers every later position. numpy in, numpy
+    out; jax in (traced too), jax out. The one binning rule of schedules and statistics."""
+    xp = jnp if isinstance(positions, jax.Array) else np
+    return xp.clip(positions // bin_width, 0, num_bins - 1).astype(xp.int32)
 
 
 # ---------------------------------------------------------------------- presets
