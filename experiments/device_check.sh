@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
-# One prepared run on a lent GPU: the Pallas GPU kernel (compiled, not interpreted) against a
+# One prepared run on a GPU machine: the Pallas GPU kernel (compiled, not interpreted) against a
 # float64 reference, then the attention and rollout benchmarks on the GPU, then the test
 # suite under that machine's jax on its CPU backend (checks the newer jax; CI covers the
 # older one). Every step has its own time limit, so one slow step cannot hide the rest.
 #
 #   OUT=runs/device bash experiments/device_check.sh
 #
-# Wheels of packages the device image lacks may sit in .whl/ (see notes/DEVICE.md; carry .whl).
+# Wheels of packages the GPU image lacks may sit in .whl/ (see docs/gpu_checks.md).
 set -uo pipefail
 OUT=${OUT:-runs/device}
 mkdir -p "$OUT"

@@ -2,7 +2,7 @@
 
 Trains (or finds in the cache) the tiny Qwen3 of ``model.tiny`` on the task's reference
 traces (settings: the optional ``model.warmup`` block, see
-:func:`sparrow_jax.data.warmup.warmup_model`), then prints the checkpoint directory, the
+:func:`sparrow_jax.sft.warmup.warmup_model`), then prints the checkpoint directory, the
 greedy accuracy by context length and, with ``--sparse_check``, the greedy accuracy of
 sparse actors (fixed top-k from ``calibration.budgets``, the config's page size and dense
 layers) at the task's context: a too-sparse actor must fail. The last stdout line is JSON.
@@ -20,7 +20,7 @@ _SPARSE_CHECK = flags.DEFINE_bool("sparse_check", True, "also measure sparse act
 
 def main(argv):
     del argv
-    from sparrow_jax.data import warmup as W  # deferred: keeps --help fast
+    from sparrow_jax.sft import warmup as W  # deferred: keeps --help fast
 
     cfg = _CONFIG.value
     path = W.warmup_model(cfg.model, cfg.task)

@@ -1,6 +1,6 @@
 """Pallas kernels for block-sparse paged decode attention (TPU / GPU) and an optional jax-triton path.
 
-All share the signature of ``sparrow_jax.attention.decode.sparse_decode_reference``:
+All share the signature of ``sparrow_jax.attention.contract.sparse_decode_reference``:
 ``(q [B,H,D], k_pages [B,Hkv,P,S,D], v_pages, page_idx [B,Hkv,N], page_valid [B,Hkv,N],
 positions [B], scale=None, ...) -> [B,H,D]``.
 """

@@ -1,6 +1,6 @@
 """Block-sparse paged decode attention: Pallas GPU kernel (Triton lowering).
 
-Same contract as :func:`sparrow_jax.attention.decode.sparse_decode_reference` (see
+Same contract as :func:`sparrow_jax.attention.contract.sparse_decode_reference` (see
 :mod:`pallas_kernels.sparse_decode_tpu` for the details shared by both kernels).
 
 Kernel layout: grid (B, Hkv, splits); a program holds the G query heads of one KV group
@@ -21,8 +21,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_kernels.sparse_decode_tpu import MASK_VALUE, compact_selection
-from sparrow_jax.attention.decode import check_decode_inputs
+from pallas_kernels.common import MASK_VALUE, compact_selection
+from sparrow_jax.attention.contract import check_decode_inputs
 
 
 def _next_pow2(x: int) -> int:

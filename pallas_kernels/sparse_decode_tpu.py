@@ -1,6 +1,6 @@
 """Block-sparse paged decode attention: Pallas TPU (Mosaic) kernel.
 
-Same contract as :func:`sparrow_jax.attention.decode.sparse_decode_reference`:
+Same contract as :func:`sparrow_jax.attention.contract.sparse_decode_reference`:
 ``q [B, H, D]`` attends over the pages named by ``page_idx [B, Hkv, N]`` where
 ``page_valid [B, Hkv, N]``, in ``k_pages / v_pages [B, Hkv, P, S, D]``; token ``s`` of page
 ``p`` has position ``p * S + s`` and is masked when it lies after ``positions[b]``.
@@ -25,32 +25,12 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from sparrow_jax.attention.decode import check_decode_inputs
-
-# Large negative logit for masked keys; finite so that max/exp never see inf - inf.
-MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
+from pallas_kernels.common import MASK_VALUE, compact_selection
+from sparrow_jax.attention.contract import check_decode_inputs
 
 # Names moved across jax versions; resolve once, preferring the current stable spelling.
 _ANY = getattr(pl, "ANY", None) or getattr(pltpu, "ANY", None) or pltpu.TPUMemorySpace.ANY
 _CompilerParams = getattr(pltpu, "CompilerParams", None) or getattr(pltpu, "TPUCompilerParams")
-
-
-def compact_selection(page_idx, page_valid, num_pages: int, pages_per_block: int):
-    """Move valid slots to the front of each (row, KV head) selection.
-
-    Returns ``idx [B, Hkv, Np]`` int32 (invalid tail slots point at page 0, so every DMA or
-    load stays in bounds) and ``count [B, Hkv]`` int32 valid slots, with ``Np`` = N rounded
-    up to a multiple of ``pages_per_block``. Out-of-range valid indices count as invalid.
-    """
-    idx = page_idx.astype(jnp.int32)
-    valid = page_valid.astype(bool) & (idx >= 0) & (idx < num_pages)
-    order = jnp.argsort(~valid, axis=-1, stable=True)  # valid first, original order kept
-    idx = jnp.take_along_axis(idx, order, axis=-1)
-    valid = jnp.take_along_axis(valid, order, axis=-1)
-    idx = jnp.where(valid, idx, 0)
-    pad = -idx.shape[-1] % pages_per_block
-    idx = jnp.pad(idx, ((0, 0), (0, 0), (0, pad)))
-    return idx, jnp.sum(valid, axis=-1, dtype=jnp.int32)
 
 
 def _online_softmax_step(q, k, v, mask, carry, scale):

@@ -15,8 +15,8 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.sparse_decode_tpu import compact_selection
-from sparrow_jax.attention.decode import check_decode_inputs
+from pallas_kernels.common import compact_selection
+from sparrow_jax.attention.contract import check_decode_inputs
 
 
 @functools.lru_cache(maxsize=None)
@@ -103,7 +103,7 @@ def triton_available() -> bool:
 
         if jax.default_backend() != "gpu":
             return False
-        from sparrow_jax.attention.decode import sparse_decode_reference
+        from sparrow_jax.attention.contract import sparse_decode_reference
 
         keys = jax.random.split(jax.random.PRNGKey(0), 3)
         q = jax.random.normal(keys[0], (2, 4, 16))

@@ -456,3 +456,23 @@ def test_tail_errors():
     with pytest.raises(ValueError, match="q"):
         acc.min_percentile(50.0)
     assert math.isnan(acc.min_p5()) and acc.result()["bin_starts"].size == 0
+
+
+def test_binned_tail_jax_one_rule_for_p5_mean_and_count():
+    """Positions past the last bin pool into the last bin for the percentile, the mean and the
+    count alike (numpy reference on clipped bins); empty bins give NaN and 0."""
+    rng = np.random.RandomState(0)
+    values = rng.rand(3, 40).astype(np.float32)
+    positions = np.broadcast_to(T.query_positions(40), values.shape)
+    mask = rng.rand(3, 40) < 0.7
+    mask[:, :11] = False  # bin 0 (positions 0..9) stays empty
+    p, mean, count = jax.jit(T.binned_tail_jax, static_argnums=(3, 4))(values, positions, mask, 3, 10)
+    bins = np.minimum(positions // 10, 2)
+    assert np.isnan(p[0]) and np.isnan(mean[0]) and int(count[0]) == 0
+    for k in (1, 2):
+        sel = values[mask & (bins == k)].astype(np.float64)
+        assert int(count[k]) == sel.size
+        np.testing.assert_allclose(float(p[k]), np.percentile(sel, 5), rtol=1e-5)
+        np.testing.assert_allclose(float(mean[k]), sel.mean(), rtol=1e-5)
+    assert int(count.sum()) == int(mask.sum())  # nothing dropped past the last bin
+    np.testing.assert_array_equal(T.query_positions(4), [0, 0, 1, 2])

@@ -1,15 +1,17 @@
 """Tests for sparrow_jax.rollout.schedule: presets, lookups, buckets, segments, JSON."""
+import dataclasses
 import json
-import os
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from sparrow_jax.rollout.schedule import Segment, SparsitySchedule, available_presets
+from sparrow_jax.rollout.schedule import Segment, SparsitySchedule, available_presets, k_max_bucket, position_bins
 
-SHARED = "/work/shared/reference/paper_schedules.json"
+# The repo copy of the paper's release (with our provenance block), read as a plain file.
+PAPER_FILE = Path(__file__).resolve().parents[1] / "sparrow_jax" / "rollout" / "presets" / "paper_schedules.json"
 
 
 def ref_topk(topk, bin_width, pos):
@@ -19,10 +21,10 @@ def ref_topk(topk, bin_width, pos):
 
 @pytest.fixture(scope="module")
 def shared():
-    if not os.path.isfile(SHARED):
-        pytest.skip(f"{SHARED} absent")
-    with open(SHARED) as f:
-        return json.load(f)
+    """The released tables as a plain dict (provenance block removed)."""
+    data = json.loads(PAPER_FILE.read_text(encoding="utf-8"))
+    data.pop("provenance")
+    return data
 
 
 # ------------------------------------------------------------------ presets
@@ -49,6 +51,7 @@ def test_package_copy_has_provenance(shared):
     data = json.loads(text)
     prov = json.dumps(data.pop("provenance"))
     assert "2606.08446" in prov and "CC BY 4.0" in prov and "Sparrow" in prov
+    assert '"/' not in prov  # no machine paths
     assert data == shared
 
 
@@ -224,6 +227,48 @@ def test_bucket_segments_brute_force():
         ks = [k for _, _, k in segs]
         assert all(a != b for a, b in zip(ks, ks[1:]))  # merged
         assert len(segs) <= len(set(per_step))
+
+
+def test_k_max_bucket_is_the_smallest_grid_value_at_or_above():
+    grid = sorted({0, 1, 2, 3} | {2 ** n for n in range(12)} | {3 * 2 ** n for n in range(11)})
+    for k in range(1025):
+        b = k_max_bucket(k)
+        assert b == min(g for g in grid if g >= k), k
+        assert b <= max(3, 1.5 * k)  # at most 1.5x the pages selected
+    with pytest.raises(ValueError, match="k"):
+        k_max_bucket(-1)
+
+
+def test_decode_segments_bucket_and_merge_bucket_segments():
+    rng = np.random.RandomState(1)
+    for _ in range(200):
+        topk = tuple(np.sort(rng.randint(0, 40, rng.randint(1, 6))))
+        s = SparsitySchedule(topk=topk, bin_width=int(rng.randint(1, 20)))
+        starts, steps = rng.randint(0, 60, rng.randint(1, 4)), int(rng.randint(0, 80))
+        segs = s.decode_segments(starts, steps)
+        tight = s.bucket_segments(starts, steps)
+        assert sum(n for _, n, _ in segs) == steps and all(a.k_max != b.k_max for a, b in zip(segs, segs[1:]))
+        for first, n, k in segs:  # each bucketed segment is a union of tight ones, bucketed
+            inside = [t for t in tight if first <= t.first_step < first + n]
+            assert k == k_max_bucket(max(t.k_max for t in inside))
+
+
+def test_schedule_is_a_pytree_with_a_traced_table():
+    s = SparsitySchedule(topk=(1, 5, 7), bin_width=8, page_size=4, dense_layers=(0,), name="x", meta={"a": 1})
+    leaves, tree = jax.tree.flatten(s)
+    assert len(leaves) == 1 and leaves[0].dtype == np.int32 and list(leaves[0]) == [1, 5, 7]
+    same_bucket = dataclasses.replace(s, topk=(2, 6, 8), name="y")
+    assert jax.tree.structure(same_bucket) == tree  # k_max bucket 8 both: same compile key
+    assert jax.tree.structure(dataclasses.replace(s, topk=(1, 5, 9))) != tree  # bucket 12
+    assert jax.tree.structure(dataclasses.replace(s, page_size=8)) != tree  # layout is static
+    pos = np.arange(40)
+    traced = jax.jit(lambda sch, p: (sch.topk_at(p), sch.k_max))
+    for sch in (s, same_bucket):
+        got, k_max = traced(sch, jnp.asarray(pos))
+        np.testing.assert_array_equal(got, sch.topk_at(pos))
+        assert int(k_max) == 8 == sch.k_max
+    assert traced._cache_size() == 1
+    np.testing.assert_array_equal(position_bins(np.array([-3, 0, 7, 8, 100]), 8, 3), [0, 0, 0, 1, 2])
 
 
 def test_bucket_segments_errors():

@@ -11,7 +11,7 @@ import pytest
 from ml_collections import ConfigDict
 
 from configs.common import base_config
-from sparrow_jax.data import warmup as W
+from sparrow_jax.sft import warmup as W
 from sparrow_jax.mismatch import calibrate as C
 from sparrow_jax.models import dense_logits, init_params, load_hf, tiny_config
 from sparrow_jax.models.tokenizer import BuiltinTokenizer

@@ -5,7 +5,7 @@ with ``positions [B]`` (the query token's absolute position; keys at later posit
 masked). Sparse forms also take ``page_idx [B, Hkv, N]`` / ``page_valid [B, Hkv, N]``
 from :func:`sparrow_jax.attention.selection.select_pages`. Softmax is in float32.
 
-* ``sparse_decode_reference``: masks the full cache with the selected pages (clear, slow).
+* ``contract.sparse_decode_reference``: masks the full cache with the selected pages (clear, slow).
 * ``sparse_decode_xla``: gathers only the selected pages (plain formulation).
 * ``fast_xla.sparse_decode_xla_fast``: the same, tuned for XLA:CPU (the CPU fallback).
 * ``cpu_kernel.sparse_decode_cpu``: a C++ XLA:CPU custom call, built on first use (the CPU
@@ -20,51 +20,10 @@ import warnings
 import jax
 import jax.numpy as jnp
 
-from sparrow_jax.attention.selection import select_pages, selected_page_mask
+from sparrow_jax.attention.contract import group_query_heads, masked_softmax_attend, sparse_decode_reference
+from sparrow_jax.attention.selection import select_pages
 
 IMPLEMENTATIONS = ("auto", "reference", "xla", "cpu", "pallas_tpu", "pallas_gpu", "triton")
-
-
-def check_decode_inputs(q, k_pages, v_pages, page_idx, page_valid, positions) -> None:
-    """Raise ValueError naming the tensor whose shape or dtype breaks the decode contract."""
-    if q.ndim != 3:
-        raise ValueError(f"q must be [B, H, D], got shape {q.shape}")
-    if k_pages.ndim != 5:
-        raise ValueError(f"k_pages must be [B, Hkv, P, S, D], got shape {k_pages.shape}")
-    if v_pages.shape != k_pages.shape:
-        raise ValueError(f"v_pages shape {v_pages.shape} must equal k_pages shape {k_pages.shape}")
-    b, h, d = q.shape
-    kb, hkv, _, _, kd = k_pages.shape
-    if (kb, kd) != (b, d):
-        raise ValueError(f"k_pages batch/head_dim {(kb, kd)} must match q's {(b, d)}")
-    if h % hkv:
-        raise ValueError(f"query heads H={h} must be a multiple of KV heads Hkv={hkv}")
-    if page_idx.ndim != 3 or page_idx.shape[:2] != (b, hkv):
-        raise ValueError(f"page_idx must be [B={b}, Hkv={hkv}, N], got shape {page_idx.shape}")
-    if page_valid.shape != page_idx.shape:
-        raise ValueError(f"page_valid shape {page_valid.shape} must equal page_idx shape {page_idx.shape}")
-    if not jnp.issubdtype(page_idx.dtype, jnp.integer):
-        raise ValueError(f"page_idx must be an integer array, got dtype {page_idx.dtype}")
-    if positions.shape != (b,):
-        raise ValueError(f"positions must be [B={b}], got shape {positions.shape}")
-
-
-def _group(q, num_kv_heads):
-    b, h, d = q.shape
-    return q.reshape(b, num_kv_heads, h // num_kv_heads, d)
-
-
-def _masked_softmax_attend(qg, k, v, mask, scale):
-    """qg [B,Hkv,G,D], k/v [B,Hkv,T,D], mask [B,Hkv,T] -> [B,Hkv,G,D] float32.
-
-    HIGHEST precision: on GPU, XLA would otherwise run f32 products as TF32 (relative error
-    ~4e-4 seen on an H200), and decode attention is memory-bound, so full f32 costs nothing.
-    """
-    hi = jax.lax.Precision.HIGHEST
-    s = jnp.einsum("bhgd,bhtd->bhgt", qg, k, preferred_element_type=jnp.float32, precision=hi) * scale
-    s = jnp.where(mask[:, :, None, :], s, -jnp.inf)
-    p = jax.nn.softmax(s, axis=-1)
-    return jnp.einsum("bhgt,bhtd->bhgd", p.astype(v.dtype), v, preferred_element_type=jnp.float32, precision=hi)
 
 
 def dense_decode(q, k_pages, v_pages, positions, scale=None):
@@ -73,19 +32,7 @@ def dense_decode(q, k_pages, v_pages, positions, scale=None):
     scale = d ** -0.5 if scale is None else scale
     k, v = k_pages.reshape(b, hkv, p * s, d), v_pages.reshape(b, hkv, p * s, d)
     mask = jnp.broadcast_to((jnp.arange(p * s)[None] <= positions[:, None])[:, None], (b, hkv, p * s))
-    out = _masked_softmax_attend(_group(q, hkv).astype(k.dtype), k, v, mask, scale)
-    return out.reshape(q.shape).astype(q.dtype)
-
-
-def sparse_decode_reference(q, k_pages, v_pages, page_idx, page_valid, positions, scale=None):
-    """Reference: dense attention restricted to the selected pages by a mask."""
-    b, hkv, p, s, d = k_pages.shape
-    scale = d ** -0.5 if scale is None else scale
-    page_mask = selected_page_mask(page_idx, page_valid, p)  # [B, Hkv, P]
-    causal = (jnp.arange(p * s)[None] <= positions[:, None])[:, None]
-    mask = jnp.repeat(page_mask, s, axis=-1) & causal
-    k, v = k_pages.reshape(b, hkv, p * s, d), v_pages.reshape(b, hkv, p * s, d)
-    out = _masked_softmax_attend(_group(q, hkv).astype(k.dtype), k, v, mask, scale)
+    out = masked_softmax_attend(group_query_heads(q, hkv).astype(k.dtype), k, v, mask, scale)
     return out.reshape(q.shape).astype(q.dtype)
 
 
@@ -101,7 +48,7 @@ def sparse_decode_xla(q, k_pages, v_pages, page_idx, page_valid, positions, scal
     v = jnp.take(v_pages.reshape(b * hkv * p, s * d), flat, axis=0).reshape(b, hkv, n * s, d)
     token_pos = (page_idx[..., None] * s + jnp.arange(s)).reshape(b, hkv, n * s)
     mask = jnp.repeat(page_valid, s, axis=-1) & (token_pos <= positions[:, None, None])
-    out = _masked_softmax_attend(_group(q, hkv).astype(k.dtype), k, v, mask, scale)
+    out = masked_softmax_attend(group_query_heads(q, hkv).astype(k.dtype), k, v, mask, scale)
     return out.reshape(q.shape).astype(q.dtype)
 
 

@@ -82,13 +82,3 @@ def select_pages(scores: jax.Array, positions: jax.Array, budget: jax.Array, k_m
     valid = jnp.concatenate([jnp.broadcast_to(first_valid, (*lead, reserved_first)),
                              top_valid, last_valid], axis=-1)
     return jnp.where(valid, idx, 0), valid
-
-
-def selected_page_mask(page_idx: jax.Array, page_valid: jax.Array, num_pages: int) -> jax.Array:
-    """[..., N] selection -> [..., P] boolean mask of selected pages (a scatter, no one-hot)."""
-    lead = page_idx.shape[:-1]
-    n = page_idx.shape[-1]
-    flat_idx = jnp.where(page_valid, page_idx, num_pages).reshape(-1, n)  # invalid -> dropped
-    rows = jnp.arange(flat_idx.shape[0])[:, None]
-    mask = jnp.zeros((flat_idx.shape[0], num_pages), bool).at[rows, flat_idx].set(True, mode="drop")
-    return mask.reshape(*lead, num_pages)

@@ -8,5 +8,5 @@ Public API:
 """
 from sparrow_jax.mismatch.measures import (acceptance_rate, acceptance_rate_from_topk, kl_divergence,
                                            mismatch_stats, topk_acceptance_rate, total_variation)
-from sparrow_jax.mismatch.scorers import score_rollout, token_logprobs
+from sparrow_jax.mismatch.scorers import per_token_mismatch, score_rollout
 from sparrow_jax.mismatch.tail import TailAccumulator, binned_percentile, binned_percentile_jax, percentile_key

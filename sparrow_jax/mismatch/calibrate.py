@@ -36,7 +36,7 @@ import numpy as np
 
 from sparrow_jax.cost_model import optimise_schedule
 from sparrow_jax.mismatch.scorers import score_rollout
-from sparrow_jax.mismatch.tail import TailAccumulator
+from sparrow_jax.mismatch.tail import TailAccumulator, query_positions
 from sparrow_jax.models.config import Qwen3Config
 from sparrow_jax.models.qwen3 import Params
 from sparrow_jax.rollout.sampler import SamplingParams, generate
@@ -85,8 +85,7 @@ def measure_tail(config: Qwen3Config, params: Params, prompts: Sequence[Sequence
                               jax.numpy.asarray(out.prompt_lens),  # the prompt prefill is dense
                               schedule=schedule, temperature=temperature, top_k=0)
         alpha = np.asarray(stats["alpha"])
-        query_pos = np.broadcast_to(np.maximum(np.arange(alpha.shape[1]) - 1, 0), alpha.shape)
-        acc.update(alpha, query_pos, out.completion_mask)
+        acc.update(alpha, np.broadcast_to(query_positions(alpha.shape[1]), alpha.shape), out.completion_mask)
         if comparable and out.completion_mask.any():
             diff = np.abs(np.asarray(stats["logp_sparse"]) - out.logprobs)[out.completion_mask]
             err = max(err, float(diff.max()))
@@ -288,7 +287,7 @@ def calibrate_run(cfg, progress: bool = True) -> dict[str, Any]:
     ``calibration.json`` and ``p5_by_position.png``.
 
     The model is built exactly as the RL trainer builds it (``model.source``: tiny / hf /
-    warmup, see :func:`sparrow_jax.rl.trainer.build_model`), so the schedule fits the model
+    warmup, see :func:`sparrow_jax.sft.model_source.build_model`), so the schedule fits the model
     RL will run. Prompts: ``calibration.num_prompts`` task prompts at context lengths spread
     up to ``task.context_tokens`` (seed ``task.seed + 1``), validated on
     ``calibration.validate_prompts`` fresh ones (seed ``task.seed + 2``).
@@ -300,7 +299,7 @@ def calibrate_run(cfg, progress: bool = True) -> dict[str, Any]:
     from sparrow_jax.io import atomic_write_json
     from sparrow_jax.io.plots import plot_p5_by_position
     from sparrow_jax.models.tokenizer import load_tokenizer
-    from sparrow_jax.rl.trainer import build_model  # one place that turns a config into a model
+    from sparrow_jax.sft.model_source import build_model  # one place that turns a config into a model
 
     t0 = time.perf_counter()
     cal, m = cfg.calibration, cfg.model

@@ -7,6 +7,8 @@ tokens pooled across the batch in each bin.
 
   binned_percentile      host-side numpy, one batch, returns non-empty bins only
   binned_percentile_jax  jittable, fixed [num_bins] output, NaN for empty bins
+  binned_tail_jax        jittable p / mean / count per bin, the last bin pooling later positions
+  query_positions        the position a token is binned at (that of the query that produced it)
   TailAccumulator        host-side, across batches (exact, or reservoir-capped)
 """
 from __future__ import annotations
@@ -20,6 +22,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+
+from sparrow_jax.rollout.schedule import position_bins
 
 Array = Any
 
@@ -162,6 +166,35 @@ def binned_percentile_jax(values: Array, positions: Array, mask: Array, num_bins
     pct, counts = _binned_percentile_jax(values, positions, mask, num_bins=int(num_bins),
                                          bin_width=bin_width, q=qs)
     return (pct[:, 0] if scalar else pct), counts
+
+
+def query_positions(num_tokens: int) -> np.ndarray:
+    """int32 [num_tokens]: where token ``t`` is binned, ``max(t - 1, 0)``.
+
+    Token ``t`` is sampled by the query at ``t - 1``, whose budget is the schedule's top-k at
+    ``t - 1``; binning there makes a bin's statistic governed by that bin's budget. The train
+    step and calibration both bin this way.
+    """
+    return np.maximum(np.arange(num_tokens) - 1, 0).astype(np.int32)
+
+
+def binned_tail_jax(values: Array, positions: Array, mask: Array, num_bins: int, bin_width: int,
+                    q: float = 5.0) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Jittable percentile, mean and count of masked-in values per position bin.
+
+    One binning rule for all three (the schedule's, :func:`position_bins`): bin ``k`` holds
+    positions in ``[k * bin_width, (k + 1) * bin_width)`` and the last bin also every later
+    position. values float [B, T], positions int [B, T] >= 0, mask [B, T].
+    Returns (percentile float [num_bins], mean float [num_bins], count int32 [num_bins]);
+    percentile and mean are NaN in empty bins.
+    """
+    bins = position_bins(jnp.asarray(positions), _check_bin_width(bin_width), num_bins)
+    pct, counts = binned_percentile_jax(values, bins, mask, num_bins, 1, q)
+    keep = jnp.asarray(mask) != 0
+    sums = jax.ops.segment_sum(jnp.where(keep, values, 0).reshape(-1).astype(jnp.float32), bins.reshape(-1),
+                               num_bins)
+    mean = jnp.where(counts > 0, sums / jnp.maximum(counts, 1), jnp.nan)
+    return pct, mean, counts
 
 
 def percentile_key(q: float) -> str:

@@ -17,7 +17,8 @@ import jax.numpy as jnp
 from sparrow_jax.attention.cache import PagedKVCache, append_token, init_cache, write_prefill
 from sparrow_jax.attention.causal import causal_attention, causal_attention_prefill
 from sparrow_jax.attention.decode import dense_decode, select_pages_decode, sparse_decode
-from sparrow_jax.attention.selection import group_mean_query, score_pages, select_pages, selected_page_mask
+from sparrow_jax.attention.contract import selected_page_mask
+from sparrow_jax.attention.selection import group_mean_query, score_pages, select_pages
 from sparrow_jax.models.config import Qwen3Config
 from sparrow_jax.models.qwen3 import Params, bind
 

@@ -22,12 +22,12 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from sparrow_jax.mismatch.measures import mismatch_stats
-from sparrow_jax.mismatch.scorers import _chunked_over_sequence, _shift, token_logprobs
-from sparrow_jax.mismatch.tail import binned_percentile_jax
+from sparrow_jax.mismatch.scorers import per_token_mismatch
+from sparrow_jax.mismatch.tail import binned_percentile_jax, binned_tail_jax, query_positions
 from sparrow_jax.models.config import Qwen3Config
 from sparrow_jax.models.lora import LoraConfig, with_lora
 from sparrow_jax.models.forward import dense_hidden, sparse_hidden, unembedding
+from sparrow_jax.models.scoring import token_logprobs
 from sparrow_jax.rl.losses import agg_loss, grpo_loss, kl_penalty, tis_weights
 
 
@@ -120,28 +120,12 @@ def _policy_loss(params, config: Qwen3Config, mb: Batch, opts: StepOptions):
     return loss, (metrics, jax.lax.stop_gradient(hidden), logp_old)
 
 
-def _per_token_mismatch(h_dense, h_sparse, w_dense, w_sparse, tokens, opts: StepOptions, reverse_kl: bool = False):
-    """Exact alpha, KL(dense || sparse) and dense log-prob of each token, chunked. -> 3 x [B, T]
-
-    With ``reverse_kl`` a fourth [B, T]: KL(sparse || dense). Differentiable w.r.t. ``h_sparse`` /
-    ``w_sparse`` (DistillSparse's exact KL); callers stop gradients where they want none.
-    """
-    t = opts.temperature
-
-    def chunk(hp, hq, tok):
-        s = mismatch_stats(hp / t, hq / t, w_dense, sampled_tokens=tok, unembed_q=w_sparse, reverse_kl=reverse_kl)
-        return (s["alpha"], s["kl"], s["logp_p_sampled"]) + ((s["kl_reverse"],) if reverse_kl else ())
-
-    out = _chunked_over_sequence(chunk, h_dense[:, :-1], h_sparse[:, :-1], tokens[:, 1:], seq_chunk=opts.seq_chunk)
-    return tuple(_shift(x) for x in out)
-
-
 def _alpha_stats(config, params, sparse_params, tokens, prompt_lens, hidden_dense, schedule, opts):
     """Exact per-token acceptance rate and KL of the sparse actor vs the dense policy. -> 2 x [B, T]"""
     h_sparse = jax.lax.stop_gradient(sparse_hidden(config, sparse_params, tokens, schedule, prompt_lens=prompt_lens))
-    alpha, kl, _ = _per_token_mismatch(hidden_dense, h_sparse, unembedding(config, params),
-                                       unembedding(config, sparse_params), tokens, opts)
-    return alpha, kl
+    m = per_token_mismatch(hidden_dense, h_sparse, unembedding(config, params), unembedding(config, sparse_params),
+                           tokens, temperature=opts.temperature, seq_chunk=opts.seq_chunk)
+    return m["alpha"], m["kl"]
 
 
 def _lora_loss(lora, base_params, config: Qwen3Config, lora_cfg: LoraConfig, batch: Batch, hidden_dense,
@@ -166,15 +150,15 @@ def _lora_loss(lora, base_params, config: Qwen3Config, lora_cfg: LoraConfig, bat
     ppo, _ = grpo_loss(logp_sparse, logp_sparse_old, batch.advantages, batch.mask, clip_low=opts.clip_low,
                        clip_high=opts.clip_high, is_weights=weights, agg=opts.loss_agg)
 
-    alpha, kl_exact, logp_dense, *kl_reverse = _per_token_mismatch(
-        jax.lax.stop_gradient(hidden_dense), h_sparse, w_dense, w_sparse, batch.tokens, opts,
-        reverse_kl=distill.kl == "exact_reverse")
+    m = per_token_mismatch(jax.lax.stop_gradient(hidden_dense), h_sparse, w_dense, w_sparse, batch.tokens,
+                           temperature=t, seq_chunk=opts.seq_chunk, reverse_kl=distill.kl == "exact_reverse")
+    alpha, kl_exact = m["alpha"], m["kl"]
     if distill.kl == "exact":
         kl_tok = kl_exact
     elif distill.kl == "exact_reverse":
-        kl_tok = kl_reverse[0]
+        kl_tok = m["kl_reverse"]
     else:  # k3 on sampled tokens with r = p_dense / p_sparse, as in the paper's release
-        kl_tok = kl_penalty(logp_sparse, jax.lax.stop_gradient(logp_dense), kind="k3")
+        kl_tok = kl_penalty(logp_sparse, jax.lax.stop_gradient(m["logp_dense"]), kind="k3")
     kl = agg_loss(kl_tok, batch.mask, opts.loss_agg)
     loss = ppo + distill.kl_coef * kl
     return loss, ({"distill/loss": loss, "distill/pg_loss": ppo, "distill/kl": kl},
@@ -245,19 +229,13 @@ def train_step(state: TrainState, batch: Batch, sparse_params=None, lora_state: 
         else:
             sp = state.params if sparse_params is None else sparse_params
             alpha, kl = _alpha_stats(config, state.params, sp, batch.tokens, batch.prompt_lens, hidden, schedule, opts)
-        # Bin a token by the position of the query that produced it (t - 1): the budget that
-        # sampled token t is the schedule's top-k at t - 1. Calibration bins the same way.
-        positions = jnp.broadcast_to(jnp.maximum(jnp.arange(batch.tokens.shape[1]) - 1, 0), batch.tokens.shape)
+        positions = jnp.broadcast_to(query_positions(batch.tokens.shape[1]), batch.tokens.shape)
         mask = batch.mask > 0
-        p5, counts = binned_percentile_jax(alpha, positions, mask, opts.num_bins, opts.bin_width, 5.0)
-        sums = jax.ops.segment_sum(jnp.where(mask, alpha, 0).reshape(-1),
-                                   jnp.minimum(positions // opts.bin_width, opts.num_bins - 1).reshape(-1),
-                                   opts.num_bins)
-        means = sums / jnp.maximum(counts, 1)
+        p5, means, counts = binned_tail_jax(alpha, positions, mask, opts.num_bins, opts.bin_width, 5.0)
         for i in range(opts.num_bins):
             start = i * opts.bin_width
             out[f"mismatch/alpha_p5/bin_{start}"] = p5[i]
-            out[f"mismatch/alpha_mean/bin_{start}"] = jnp.where(counts[i] > 0, means[i], jnp.nan)
+            out[f"mismatch/alpha_mean/bin_{start}"] = means[i]
             out[f"mismatch/count/bin_{start}"] = counts[i]
         denom = jnp.maximum(mask.sum(), 1)
         out["mismatch/alpha_mean"] = jnp.sum(jnp.where(mask, alpha, 0)) / denom

@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 import os
 import time
-from typing import Any, Optional
+from typing import Optional
 
 import jax
 import jax.numpy as jnp
@@ -22,7 +22,7 @@ from sparrow_jax.data.registry import get_task
 from sparrow_jax.io import atomic_write_json
 from sparrow_jax.io.checkpoint import CheckpointManager
 from sparrow_jax.io.metrics import MetricWriter, ProgressBar
-from sparrow_jax.models import Qwen3Config, init_params, load_hf
+from sparrow_jax.sft.model_source import build_model  # re-exported: one place that turns a config into a model
 from sparrow_jax.models.tokenizer import load_tokenizer
 from sparrow_jax.rl.advantages import group_advantages
 from sparrow_jax.models.lora import LoraConfig, init_lora, with_lora
@@ -33,24 +33,6 @@ from sparrow_jax.rollout import SamplingParams, SparsitySchedule, generate
 
 
 # ---- set-up pieces ---------------------------------------------------------------------
-
-def build_model(cfg: ConfigDict, tokenizer) -> tuple[Qwen3Config, Any]:
-    m = cfg.model
-    if m.source == "hf":
-        return _load_hf(m)
-    if m.source == "warmup":
-        from sparrow_jax.data.warmup import warmup_model  # deferred: trains on first use
-        path = warmup_model(m, cfg.task)
-        return _load_hf(m, path)
-    tiny = dict(m.tiny.to_dict(), vocab_size=tokenizer.vocab_size)  # the model emits only known ids
-    config = Qwen3Config(**tiny, dtype=m.dtype, param_dtype=m.param_dtype)
-    return config, jax.tree.map(lambda x: x.astype(config.weight_dtype), init_params(config, cfg.seed))
-
-
-def _load_hf(m: ConfigDict, path: Optional[str] = None):
-    config, params = load_hf(path or m.hf_dir, dtype=jnp.dtype(m.param_dtype))
-    return config.replace(dtype=m.dtype), params
-
 
 def build_schedule(cfg: ConfigDict, workdir: str) -> Optional[SparsitySchedule]:
     s = cfg.schedule

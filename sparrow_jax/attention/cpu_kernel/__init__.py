@@ -1,7 +1,7 @@
 """Block-sparse decode attention as an XLA:CPU FFI custom call (C++, built on first use).
 
 ``sparse_decode_cpu`` has the contract of
-:func:`sparrow_jax.attention.decode.sparse_decode_reference`. The C++ source
+:func:`sparrow_jax.attention.contract.sparse_decode_reference`. The C++ source
 (``sparse_decode_cpu.cc``) is compiled once per machine with the system C++ compiler
 against the XLA FFI headers shipped in jaxlib, into ``$SPARROW_JAX_CACHE`` (default
 ``~/.cache/sparrow_jax``), keyed by source, jaxlib version, flags and CPU. Without a
@@ -97,8 +97,6 @@ def sparse_decode_cpu(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, page
     q [B, H, D]; k_pages, v_pages [B, Hkv, P, S, D] float32 or bfloat16; page_idx, page_valid
     [B, Hkv, N]; positions [B]. Raises RuntimeError when the kernel is unavailable.
     """
-    from sparrow_jax.attention.decode import check_decode_inputs
-
     check_decode_inputs(q, k_pages, v_pages, page_idx, page_valid, positions)
     if not cpu_kernel_available():
         raise RuntimeError("the CPU sparse decode kernel is unavailable (see the warning); use impl='xla'")

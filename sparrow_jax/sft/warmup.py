@@ -43,11 +43,11 @@ import optax
 from ml_collections import ConfigDict
 
 from sparrow_jax.data.registry import get_task
-from sparrow_jax.mismatch.scorers import token_logprobs
 from sparrow_jax.models.config import Qwen3Config
 from sparrow_jax.models.forward import dense_hidden, unembedding
 from sparrow_jax.models.hf_io import save_hf
 from sparrow_jax.models.qwen3 import Params, init_params
+from sparrow_jax.models.scoring import token_logprobs
 from sparrow_jax.models.tokenizer import BuiltinTokenizer
 from sparrow_jax.rollout.sampler import SamplingParams, generate
 
