@@ -45,7 +45,7 @@ class StepOptions:
     temperature: float = 1.0
     micro_batches: int = 1
     remat: bool = False
-    num_bins: int = 8  # position bins reported for alpha statistics
+    num_bins: int = 8  # position bins reported for alpha statistics (the last pools later positions)
     bin_width: int = 128
     seq_chunk: int = 128
 
