@@ -26,6 +26,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from sparrow_jax.attention.contract import check_decode_inputs
+
 TARGET = "sparrow_sparse_decode_cpu"
 SELECT_TARGET = "sparrow_select_pages_cpu"
 SOURCE = Path(__file__).with_name("sparse_decode_cpu.cc")
