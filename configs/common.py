@@ -2,7 +2,9 @@
 
 A run config file defines ``get_config()`` returning :func:`base_config` with fields
 overridden; ``python -m experiments.run --config configs/x.py --config.steps=5`` overrides
-any field from the command line. :func:`sparrow_jax.config_schema.validate` checks values.
+any field from the command line. :func:`sparrow_jax.run.specs.parse_spec` parses and checks them once (a field
+that no spec reads is an error). The optional blocks ``model.warmup`` (warm-up SFT settings,
+see configs/calibrate_tiny.py) and ``study`` (configs/study_tiny.py) are added where used.
 """
 from __future__ import annotations
 
@@ -32,6 +34,7 @@ def task_config() -> ConfigDict:
         num_train=512,  # built-in task: training prompts generated
         num_eval=32,  # held-out prompts for evaluation and calibration validation
         seed=1234,  # generation seed of the built-in task
+        key_len=3,  # built-in task: symbols per record key (also a warm-up cache knob)
     ))
 
 
@@ -71,6 +74,7 @@ def calibration_config() -> ConfigDict:
         samples_per_prompt=2,  # rollouts per calibration prompt
         validate_prompts=16,  # fresh prompts to validate the derived schedule
         percentile=5.0,  # tail percentile (the paper's p5)
+        min_count=40,  # completion tokens a (budget, bin) cell needs before its percentile counts
     ))
 
 

@@ -12,8 +12,9 @@ from __future__ import annotations
 import json
 
 import numpy as np
-from absl import app
 from ml_collections import config_flags
+
+from sparrow_jax.run.cli import config_main
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "run config file (configs/*.py)", lock_config=True)
 
@@ -32,16 +33,11 @@ def fixed_budget_trend(table: dict) -> dict:
     return out
 
 
-def main(argv):
-    del argv
-    from absl import logging
-    logging.set_verbosity(logging.WARNING)
-    from sparrow_jax.config_schema import validate as validate_config
-    from sparrow_jax.mismatch.calibrate import calibrate_run, format_report  # deferred: keeps --help fast
+def main(spec):
+    from sparrow_jax.mismatch.calibrate import format_report  # deferred: keeps --help fast
+    from sparrow_jax.run.calibration import calibrate_run
 
-    cfg = _CONFIG.value
-    validate_config(cfg)
-    result = calibrate_run(cfg)
+    result = calibrate_run(spec)
     print(format_report(result))
     trend = fixed_budget_trend(result["table"])
     for k, t in trend.items():
@@ -56,4 +52,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    config_main(_CONFIG, main)

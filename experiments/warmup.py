@@ -11,19 +11,24 @@ from __future__ import annotations
 
 import json
 
-from absl import app, flags
+from absl import flags
 from ml_collections import config_flags
+
+from sparrow_jax.run.cli import config_main
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "run config file (configs/*.py)", lock_config=True)
 _SPARSE_CHECK = flags.DEFINE_bool("sparse_check", True, "also measure sparse actors' accuracy per top-k budget")
 
 
-def main(argv):
-    del argv
-    from sparrow_jax.sft import warmup as W  # deferred: keeps --help fast
+def main(spec):
+    import dataclasses
 
-    cfg = _CONFIG.value
-    path = W.warmup_model(cfg.model, cfg.task)
+    from sparrow_jax.sft import warmup as W  # deferred: keeps --help fast
+    from sparrow_jax.run.context import build_run_context, schedule_layout
+
+    spec = dataclasses.replace(spec, model=dataclasses.replace(spec.model, source="warmup"))
+    ctx = build_run_context(spec, schedule=None)  # trains the warm-up model, or loads it from the cache
+    path = W.warmup_model(spec.model, spec.task, progress=False)  # cache hit: its directory
     meta = W.read_warmup_meta(path)
     print(f"checkpoint: {path}")
     print(f"greedy accuracy by context length ({meta['eval_prompts']} held-out prompts each, "
@@ -36,21 +41,16 @@ def main(argv):
     summary = dict(path=path, accuracy_by_length=meta["accuracy_by_length"], accuracy=meta["accuracy"],
                    train_seconds=meta["train_seconds"], train_cpu_seconds=meta["train_cpu_seconds"])
     if _SPARSE_CHECK.value:
-        from sparrow_jax.models import load_hf
-        from sparrow_jax.rollout import SparsitySchedule
-
-        s = cfg.schedule
-        config, params = load_hf(path)
-        knobs, ctx = meta["task"], int(meta["task"]["context_tokens"])
+        s = spec.schedule
+        knobs, context = meta["task"], int(meta["task"]["context_tokens"])
         sparse = {}
-        for k in cfg.calibration.budgets:
-            sched = SparsitySchedule.fixed(int(k), page_size=s.page_size, bin_width=s.bin_width,
-                                           reserved_first=s.reserved_first, reserved_last=s.reserved_last,
-                                           dense_layers=tuple(s.dense_layers), selector=s.selector)
-            sparse[str(k)] = W.accuracy_by_length(config, params, knobs, [ctx], schedule=sched)[ctx]
-        print(f"sparse actor accuracy at context {ctx} by top-k pages of {s.page_size} "
+        for k in spec.calibration.budgets:
+            sched = schedule_layout(s, int(k))
+            sparse[str(k)] = W.accuracy_by_length(ctx.model_config, ctx.params, knobs, [context],
+                                                  schedule=sched)[context]
+        print(f"sparse actor accuracy at context {context} by top-k pages of {s.page_size} "
               f"(+{s.reserved_first + s.reserved_last} reserved; dense layers {list(s.dense_layers)}); "
-              f"dense {meta['accuracy_by_length'].get(str(ctx))}:")
+              f"dense {meta['accuracy_by_length'].get(str(context))}:")
         for k, acc in sparse.items():
             print(f"  top-k {int(k):>3d} ({(int(k) + s.reserved_first + s.reserved_last) * s.page_size:>4d} tokens)  "
                   f"{acc:.3f}")
@@ -59,4 +59,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    config_main(_CONFIG, main)

@@ -17,7 +17,8 @@ PACKAGES = ("sparrow_jax", "pallas_kernels")
 
 # Lowest first. A module belongs to the longest prefix listed; same-layer imports are allowed.
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("sparrow_jax", "sparrow_jax.io", "sparrow_jax.parallel"),  # utilities
+    # utilities; run.specs: the typed run config, a leaf that every layer may name in type hints
+    ("sparrow_jax", "sparrow_jax.io", "sparrow_jax.parallel", "sparrow_jax.run.specs"),
     # kernels see only the decode contract (input checks, the jnp reference)
     ("sparrow_jax.attention.contract", "sparrow_jax.attention.cpu_kernel", "pallas_kernels"),
     ("sparrow_jax.attention",),
@@ -27,8 +28,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("sparrow_jax.sft",),  # the warm-up before RL and the run's model source
     ("sparrow_jax.cost_model",),
     ("sparrow_jax.mismatch",),
-    # config_schema: the config validation the RL trainer still calls; moves up with the typed specs
-    ("sparrow_jax.rl", "sparrow_jax.config_schema"),
+    ("sparrow_jax.rl",),
     ("sparrow_jax.run",),  # entry: config -> typed specs -> everything
 )
 

@@ -3,6 +3,7 @@
 One checkpoint = one step directory `<directory>/<step>/` holding one orbax item per
 state entry:
     params, opt_state, lora, lora_opt_state   pytrees of arrays (orbax StandardSave)
+    loop                                      the RL loop's whole state pytree (rl/trainer.LoopState)
     meta                                      JSON dict (orbax JsonSave): step, PRNG key
                                               as a list of ints, schedule state, data
                                               iterator position, config hash, ...
@@ -38,7 +39,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from sparrow_jax.io import atomic_write_json, to_jsonable
 
-PYTREE_KEYS = ("params", "opt_state", "lora", "lora_opt_state")
+PYTREE_KEYS = ("params", "opt_state", "lora", "lora_opt_state", "loop")
 META_KEY = "meta"
 MARKER_NAME = "sparrow_commit.json"
 MARKER_FORMAT = "sparrow_jax.checkpoint/1"
@@ -176,7 +177,8 @@ class CheckpointManager:
         """Write `state` as checkpoint `step`; returns False if skipped by `save_every`.
 
         state: {'params': pytree, 'opt_state': pytree, 'lora': pytree | None,
-                'lora_opt_state': pytree | None, 'meta': JSON dict}. Only 'params' is required.
+                'lora_opt_state': pytree | None, 'loop': pytree | None, 'meta': JSON dict}.
+                'params' or 'loop' is required.
         force: save even if `step % save_every != 0`.
         overwrite: replace an existing committed checkpoint at `step` (else ValueError).
         Blocking: when it returns True the checkpoint is committed.
@@ -219,8 +221,8 @@ class CheckpointManager:
         unknown = sorted(set(state) - set(PYTREE_KEYS) - {META_KEY})
         if unknown:
             raise ValueError(f"state: unknown keys {unknown}; allowed {list(PYTREE_KEYS) + [META_KEY]}")
-        if state.get("params") is None:
-            raise ValueError("state['params']: required, got nothing")
+        if state.get("params") is None and state.get("loop") is None:
+            raise ValueError("state['params']: required (or a whole 'loop' state), got nothing")
         items = {k: state[k] for k in PYTREE_KEYS if state.get(k) is not None}
         for key, tree in items.items():
             if not jax.tree_util.tree_leaves(tree):

@@ -34,14 +34,12 @@ import json
 import os
 import shutil
 import time
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from ml_collections import ConfigDict
-
 from sparrow_jax.data.registry import get_task
 from sparrow_jax.models.config import Qwen3Config
 from sparrow_jax.models.forward import dense_hidden, unembedding
@@ -50,6 +48,9 @@ from sparrow_jax.models.qwen3 import Params, init_params
 from sparrow_jax.models.scoring import token_logprobs
 from sparrow_jax.models.tokenizer import BuiltinTokenizer
 from sparrow_jax.rollout.sampler import SamplingParams, generate
+
+if TYPE_CHECKING:
+    from sparrow_jax.run.specs import ModelSpec, TaskSpec
 
 META_FILE = "sparrow_warmup.json"
 DEFAULT_CACHE_DIR = "runs/cache"
@@ -103,21 +104,18 @@ class WarmupSettings:
 
 # ---- what is trained on ---------------------------------------------------------------
 
-def warmup_architecture(model_cfg: ConfigDict) -> Qwen3Config:
-    """Qwen3Config of the warm-up model: ``model_cfg.tiny`` with the builtin tokenizer's vocab."""
-    if "tiny" not in model_cfg:
-        raise ValueError("model config has no 'tiny' field (the warm-up model's architecture)")
-    arch = dict(model_cfg.tiny.to_dict())
+def warmup_architecture(model: ModelSpec) -> Qwen3Config:
+    """Qwen3Config of the warm-up model: ``model.tiny`` with the builtin tokenizer's vocab."""
+    arch = dict(model.tiny)
     arch["vocab_size"] = BuiltinTokenizer().vocab_size  # the tokenizer decides, not the config
-    dtypes = {k: model_cfg[k] for k in ("dtype", "param_dtype") if k in model_cfg}
-    return Qwen3Config(**arch, **dtypes)
+    return Qwen3Config(**arch, dtype=model.dtype, param_dtype=model.param_dtype)
 
 
-def task_knobs(task_cfg: ConfigDict) -> dict[str, Any]:
+def task_knobs(task: TaskSpec) -> dict[str, Any]:
     """The task fields that change the warm-up data: name, context_tokens, hops, distractor_frac, key_len."""
-    knobs = dict(name=str(task_cfg.name), context_tokens=int(task_cfg.context_tokens),
-                 hops=int(task_cfg.hops), distractor_frac=float(task_cfg.distractor_frac),
-                 key_len=int(task_cfg.get("key_len", 3)))
+    knobs = dict(name=str(task.name), context_tokens=int(task.context_tokens),
+                 hops=int(task.hops), distractor_frac=float(task.distractor_frac),
+                 key_len=int(task.key_len))
     task = get_task(knobs["name"])
     if task.generate is None:
         raise ValueError(f"task.name={knobs['name']!r} has no generator; the warm-up needs a synthetic "
@@ -370,10 +368,10 @@ def read_warmup_meta(path: str) -> dict[str, Any]:
         return json.load(f)
 
 
-def warmup_settings(model_cfg: ConfigDict, **overrides: Any) -> WarmupSettings:
-    """Settings from the optional ``model_cfg.warmup`` block, then ``overrides`` that are not None."""
+def warmup_settings(model: ModelSpec, **overrides: Any) -> WarmupSettings:
+    """Settings from the ``model.warmup`` block (may be empty), then ``overrides`` that are not None."""
     fields = {f.name for f in dataclasses.fields(WarmupSettings)}
-    block = model_cfg.get("warmup") or {}
+    block = model.warmup
     unknown = sorted(set(block) - fields - {"cache_dir"})
     if unknown:
         raise ValueError(f"model.warmup has unknown field(s) {unknown}; known: {sorted(fields | {'cache_dir'})}")
@@ -382,19 +380,19 @@ def warmup_settings(model_cfg: ConfigDict, **overrides: Any) -> WarmupSettings:
     return WarmupSettings(**kw)
 
 
-def warmup_model(model_cfg: ConfigDict, task_cfg: ConfigDict, cache_dir: str | None = None,
+def warmup_model(model: ModelSpec, task: TaskSpec, cache_dir: str | None = None,
                  steps: int | None = None, batch_size: int | None = None, lr: float | None = None,
                  seed: int | None = None, progress: bool = True, min_context: int | None = None,
                  eval_lengths: Sequence[int] | None = None, eval_prompts: int = 64) -> str:
     """Train (or find in the cache) a tiny Qwen3 that solves the task; returns its HF directory.
 
     Args:
-      model_cfg: run config ``model`` block; ``model_cfg.tiny`` is the architecture
-        (vocab_size is replaced by the builtin tokenizer's). An optional ``model_cfg.warmup``
-        block (fields of :class:`WarmupSettings` and ``cache_dir``) sets the training; the
-        RL trainer calls ``warmup_model(cfg.model, cfg.task)``, so that block is how a run
-        config chooses its warm-up.
-      task_cfg: run config ``task`` block (name, context_tokens, hops, distractor_frac).
+      model: the run's model spec; ``model.tiny`` is the architecture (vocab_size is
+        replaced by the builtin tokenizer's). Its ``warmup`` block (fields of
+        :class:`WarmupSettings` and ``cache_dir``; the config's optional ``model.warmup``)
+        sets the training; the run context calls ``warmup_model(spec.model, spec.task)``,
+        so that block is how a run config chooses its warm-up.
+      task: the run's task spec (name, context_tokens, hops, distractor_frac, key_len).
       cache_dir: parent of the ``warmup-<hash>`` directories (default: ``model.warmup.cache_dir``
         or ``runs/cache``).
       steps, batch_size, lr, seed, min_context: override the settings (None: config / default).
@@ -402,12 +400,12 @@ def warmup_model(model_cfg: ConfigDict, task_cfg: ConfigDict, cache_dir: str | N
         :func:`default_eval_lengths`); eval_prompts: held-out prompts per length.
     A complete cached directory is returned at once, without training or evaluating.
     """
-    config = warmup_architecture(model_cfg)
-    knobs = task_knobs(task_cfg)
-    settings = warmup_settings(model_cfg, steps=steps, batch_size=batch_size, lr=lr, seed=seed,
+    config = warmup_architecture(model)
+    knobs = task_knobs(task)
+    settings = warmup_settings(model, steps=steps, batch_size=batch_size, lr=lr, seed=seed,
                                min_context=min_context)
     if cache_dir is None:
-        cache_dir = (model_cfg.get("warmup") or {}).get("cache_dir", DEFAULT_CACHE_DIR)
+        cache_dir = model.warmup.get("cache_dir", DEFAULT_CACHE_DIR)
     path = os.path.join(cache_dir, f"warmup-{warmup_key(config, knobs, settings)}")
     if is_complete(path):
         if progress:

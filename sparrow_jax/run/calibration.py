@@ -1,0 +1,88 @@
+"""The calibration run: measure the acceptance-rate tail of the run's model per budget and
+position bin, derive the cheapest schedule with p5 >= tau, validate it on fresh prompts, and
+write ``<workdir>/schedule.json``, ``calibration.json`` and ``p5_by_position.png``."""
+from __future__ import annotations
+
+import os
+import time
+from typing import Any, Optional
+
+import jax
+import numpy as np
+
+from sparrow_jax.io import atomic_write_json
+from sparrow_jax.io.plots import plot_p5_by_position
+from sparrow_jax.mismatch.calibrate import calibrate, spread_context_lengths, validate
+from sparrow_jax.run.context import RunContext, build_run_context, schedule_layout
+from sparrow_jax.run.specs import RunSpec, TaskSpec
+
+
+def task_prompts(t: TaskSpec, ctx: RunContext, n: int, seed: int) -> tuple[list[dict], list[list[int]]]:
+    """``n`` task examples at context lengths spread up to ``t.context_tokens``, and their prompt ids."""
+    if t.dataset or ctx.task.generate is None:
+        raise ValueError(f"calibration generates its prompts: task {t.name!r} needs a generator and "
+                         f"task.dataset must be empty (got {t.dataset!r})")
+    examples = [ctx.task.generate(1, seed * 100_003 + i, context_tokens=c, hops=t.hops,
+                                  distractor_frac=t.distractor_frac)[0]
+                for i, c in enumerate(spread_context_lengths(int(t.context_tokens), n))]
+    return examples, [ctx.encode(ex) for ex in examples]
+
+
+def calibrate_run(spec: RunSpec, ctx: Optional[RunContext] = None, progress: bool = True) -> dict[str, Any]:
+    """Calibrate the run's model (the same :func:`build_run_context` model RL will run).
+
+    Prompts: ``calibration.num_prompts`` task prompts at context lengths spread up to
+    ``task.context_tokens`` (seed ``task.seed + 1``), validated on ``calibration.validate_prompts``
+    fresh ones (seed ``task.seed + 2``). Returns dict: schedule, table, validation, per_budget,
+    flagged_bins, inherited_bins, schedule_path, table_path, png, seconds.
+    """
+    t0 = time.perf_counter()
+    ctx = ctx if ctx is not None else build_run_context(spec, schedule=None)
+    cal, config = spec.calibration, ctx.model_config
+    load_s = time.perf_counter() - t0
+    base = schedule_layout(spec.schedule, 0)
+    bad = [d for d in base.dense_layers if d >= config.num_hidden_layers]
+    if bad:
+        raise ValueError(f"schedule.dense_layers {list(base.dense_layers)} name layers past the model's "
+                         f"{config.num_hidden_layers}")
+    _, prompts = task_prompts(spec.task, ctx, cal.num_prompts, spec.task.seed + 1)
+    _, fresh = task_prompts(spec.task, ctx, cal.validate_prompts, spec.task.seed + 2)
+    key = jax.random.PRNGKey(spec.seed)
+    if progress:
+        print(f"[calibrate] {config.num_params():,} params ({spec.model.source}), {len(prompts)} prompts of "
+              f"{min(map(len, prompts))}-{max(map(len, prompts))} tokens x {cal.samples_per_prompt} samples, "
+              f"budgets {list(cal.budgets)}, tau {cal.tau}", flush=True)
+    result = calibrate(config, ctx.params, prompts, cal.budgets, cal.tau, base, ctx.sampling,
+                       cal.samples_per_prompt, jax.random.fold_in(key, 1), cal.percentile,
+                       min_count=cal.min_count, pad_id=ctx.tokenizer.pad_id, progress=progress)
+    schedule = result["schedule"]
+    validation = validate(config, ctx.params, fresh, schedule, ctx.sampling, cal.samples_per_prompt,
+                          jax.random.fold_in(key, 2), cal.percentile, tau=cal.tau,
+                          min_count=cal.min_count, pad_id=ctx.tokenizer.pad_id)
+    seconds = time.perf_counter() - t0
+    paths = _write_outputs(spec, config, base, result, validation, seconds, load_s)
+    return dict(result, validation=validation, **paths, seconds=seconds)
+
+
+def _write_outputs(spec: RunSpec, config, base, result: dict, validation: dict, seconds: float,
+                   load_s: float) -> dict[str, str]:
+    cal, workdir = spec.calibration, spec.workdir
+    os.makedirs(workdir, exist_ok=True)
+    paths = dict(schedule_path=os.path.join(workdir, "schedule.json"),
+                 table_path=os.path.join(workdir, "calibration.json"),
+                 png=os.path.join(workdir, "p5_by_position.png"))
+    table, schedule = result["table"], result["schedule"]
+    series = {f"top-k {k} ({(k + base.reserved) * base.page_size} tok)":
+              (table["bin_starts"], [np.nan if v is None else v for v in table["p5"][i]])
+              for i, k in enumerate(table["budgets"])}
+    series["calibrated (fresh prompts)"] = (validation["bin_starts"], validation["p5"])
+    plot_p5_by_position(series, cal.tau, paths["png"],
+                        title=f"p{cal.percentile:g} of acceptance rate by position ({spec.model.source} model)")
+    atomic_write_json(paths["table_path"], dict(
+        tau=cal.tau, min_count=cal.min_count, model_source=spec.model.source,
+        num_params=config.num_params(), **table, schedule_topk=list(schedule.topk),
+        flagged_bins=result["flagged_bins"], inherited_bins=result["inherited_bins"],
+        per_budget=result["per_budget"], validation=validation, seconds=round(seconds, 1),
+        load_seconds=round(load_s, 1)))
+    atomic_write_json(paths["schedule_path"], schedule.to_dict())  # crash-safe; same content as to_json
+    return paths

@@ -1,0 +1,47 @@
+"""Entry-point helper: parse ``--config`` once into a :class:`RunSpec`; a bad config or an
+unknown override prints one line naming the field and exits with status 2 (no traceback)."""
+from __future__ import annotations
+
+import sys
+from typing import Any, Callable
+
+from absl import app, flags
+
+from sparrow_jax.run.specs import ConfigError, RunSpec, parse_spec
+
+EXIT_BAD_CONFIG = 2
+
+
+def _fail(message: str) -> None:
+    print(f"error: {message}", file=sys.stderr, flush=True)
+    sys.exit(EXIT_BAD_CONFIG)
+
+
+def _parse_flags(argv: list[str]) -> list[str]:
+    try:
+        return flags.FLAGS(argv)
+    except flags.Error as e:
+        _fail(str(e))
+    except (AttributeError, KeyError) as e:  # ml_collections: an override of a field the config lacks
+        missing = str(e).strip("\"'")
+        bad = [a.split("=", 1)[0] for a in argv[1:]
+               if a.startswith("--config.") and missing in a.split("=", 1)[0].split(".")]
+        _fail(f"{bad[0] if bad else missing}: unknown config field ('{missing}' is not in the config)")
+
+
+def config_main(config_flag: Any, main: Callable[[RunSpec], Any]) -> None:
+    """``app.run`` with the run config parsed into a spec and handed to ``main(spec)``."""
+    def run(argv: list[str]) -> None:
+        del argv
+        from absl import logging
+        logging.set_verbosity(logging.WARNING)  # orbax logs every save at INFO
+        try:
+            spec = parse_spec(config_flag.value)
+        except ConfigError as e:
+            _fail(str(e))
+        try:
+            main(spec)
+        except ConfigError as e:
+            _fail(str(e))
+
+    app.run(run, flags_parser=_parse_flags)

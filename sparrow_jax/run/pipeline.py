@@ -1,0 +1,184 @@
+"""The end-to-end Sparrow pipeline behind ``experiments.run`` and the notebooks.
+
+warm-up (model.source == "warmup", cached) -> calibration (schedule.kind == "calibrated",
+unless ``<workdir>/schedule.json`` exists) -> RL with the configured rollouts -> report:
+``<workdir>/report.json`` (reward start/end, per-bin p5, tau, measured rollout speedup)
+and ``<workdir>/reward.png``. ``run_study`` runs the dense / calibrated / aggressive arms.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import time
+
+import jax
+import numpy as np
+
+from sparrow_jax.io import atomic_write_json
+from sparrow_jax.io.plots import plot_curves, plot_panels
+from sparrow_jax.parallel import is_primary
+from sparrow_jax.rl.trainer import TrainResult, actor_tail, evaluate, lora_config, merge_lora_actor, sample, train
+from sparrow_jax.run.calibration import calibrate_run
+from sparrow_jax.run.context import RunContext, build_run_context, build_schedule
+from sparrow_jax.run.specs import RunSpec
+
+
+def _window_mean(values, n=3):
+    values = [v for v in values if v is not None]
+    return float(np.mean(values[:n])) if values else None
+
+
+def measure_rollout_speedup(ctx: RunContext, result: TrainResult, num_prompts: int = 4) -> dict:
+    """Dense vs sparse rollout of the same eval prompts with the final params, timed in one run."""
+    if result.schedule is None:
+        return {"rollout_speedup": 1.0}
+    rows, params = ctx.eval_rows[:num_prompts], result.state.train.params
+    timings = {}
+    for name, sched in (("dense", None), ("sparse", result.schedule)):
+        sample(ctx, params, rows, jax.random.PRNGKey(0), 2, sched)  # compile
+        rollout, _ = sample(ctx, params, rows, jax.random.PRNGKey(1), 2, sched)
+        timings[name] = rollout.stats["decode_tokens"] / max(rollout.stats["decode_s"], 1e-9)
+    return {"rollout_speedup": timings["sparse"] / timings["dense"], "dense_tok_s": timings["dense"],
+            "sparse_tok_s": timings["sparse"]}
+
+
+def _tail(spec: RunSpec, ctx: RunContext, params, schedule, actor_params=None) -> dict:
+    """Per-bin p5 of the sparse actor on the run's held-out prompts."""
+    tail = actor_tail(ctx, params, actor_params if actor_params is not None else params, ctx.eval_rows, schedule,
+                      spec.calibration.tau, jax.random.PRNGKey(spec.seed + 99), samples=spec.distill.eval_samples)
+    return {"bin_starts": tail["bin_starts"], "p5": tail["p5"], "mean": tail["mean"], "count": tail["count"]}
+
+
+def _dense_policy_eval(spec: RunSpec, ctx: RunContext, result: TrainResult) -> dict:
+    """mean@k / pass@k of the final dense policy with dense rollouts on the held-out prompts."""
+    return evaluate(ctx, result.state.train.params, None, ctx.eval_rows, spec.eval_k, jax.random.PRNGKey(spec.seed + 7))
+
+
+def _update_cost(history) -> float:
+    times = [h["timing_s/update_actor"] for h in history[1:]]  # step 1 includes compilation
+    return float(np.mean(times)) if times else float("nan")
+
+
+def distill_report(spec: RunSpec, ctx: RunContext, result: TrainResult) -> dict:
+    """p5 before/after DistillSparse on the same held-out prompts, and the reward vs a no-LoRA run.
+
+    ``p5_before``: the initial model's sparse actor; ``p5_after``: the final sparse actor (final
+    policy + LoRA); ``p5_after_without_lora``: the final policy's sparse actor without the
+    LoRA, which separates what the LoRA did from how the policy moved.
+    """
+    schedule, params = result.schedule, result.state.train.params
+    before = _tail(spec, ctx, ctx.params, schedule)
+    after = _tail(spec, ctx, params, schedule, merge_lora_actor(params, result.state.lora.lora, lora_config(spec.distill)))
+    without = _tail(spec, ctx, params, schedule)
+    out = {"p5_before": before["p5"], "p5_after": after["p5"], "p5_after_without_lora": without["p5"],
+           "bin_starts": after["bin_starts"], "tail_before": before, "tail_after": after,
+           "tail_after_without_lora": without}
+    rows = [f"{'bin':>6} {'before':>8} {'after':>8} {'no LoRA':>8}"]
+    rows += [f"{start:>6} {b:8.3f} {a:8.3f} {w:8.3f}"
+             for start, b, a, w in zip(after["bin_starts"], before["p5"], after["p5"], without["p5"])]
+    print("[distill] held-out p5 of the sparse actor\n" + "\n".join(rows), flush=True)
+    if spec.distill.compare_without:
+        plain_spec = dataclasses.replace(spec, workdir=os.path.join(spec.workdir, "without_distill"),
+                                         distill=dataclasses.replace(spec.distill, enabled=False))
+        plain = train(plain_spec, dataclasses.replace(ctx, schedule=schedule))
+        out["reward_with"] = [h["reward_mean"] for h in result.history]
+        out["reward_without"] = [h["reward_mean"] for h in plain.history]
+        out["final_eval_without"] = plain.final_eval
+        out["dense_eval_with"] = _dense_policy_eval(spec, ctx, result)
+        out["dense_eval_without"] = _dense_policy_eval(spec, ctx, plain)
+        out["update_cost_ratio"] = _update_cost(result.history) / _update_cost(plain.history)
+        steps = [h["step"] for h in result.history]
+        plot_curves({"DistillSparse": (steps, out["reward_with"]), "no LoRA": (steps, out["reward_without"])},
+                    os.path.join(spec.workdir, "reward_distill.png"), ylabel="reward", title="dense policy reward")
+    return out
+
+
+def _min_p5(history) -> float | None:
+    """Minimum over bins of the per-bin p5 averaged over training (None for dense rollouts)."""
+    keys = {k for h in history for k in h if k.startswith("mismatch/alpha_p5/bin_")}
+    per_bin = [np.mean([h[k] for h in history if k in h]) for k in keys]
+    return float(min(per_bin)) if per_bin else None
+
+
+def _arm_spec(spec: RunSpec, arm: str) -> RunSpec:
+    kind = {"dense": "dense", "calibrated": "json", "aggressive": "fixed"}[arm]
+    schedule = dataclasses.replace(spec.schedule, kind=kind, path=os.path.join(spec.workdir, "schedule.json"),
+                                   topk=spec.study.aggressive_topk)
+    return dataclasses.replace(spec, workdir=os.path.join(spec.workdir, arm), schedule=schedule, study=None)
+
+
+def run_study(spec: RunSpec) -> dict:
+    """Same seeds and steps: dense rollouts vs the calibrated tau schedule vs an aggressive fixed budget."""
+    if not os.path.exists(os.path.join(spec.workdir, "schedule.json")):
+        calibrate_run(spec)
+    calibrated = build_schedule(spec.schedule, spec.workdir)
+    arms = {}
+    for arm in ("dense", "calibrated", "aggressive"):
+        arm_spec = _arm_spec(spec, arm)
+        print(f"[study] arm {arm}", flush=True)
+        ctx = build_run_context(arm_spec, calibrated) if arm == "calibrated" else build_run_context(arm_spec)
+        arms[arm] = train(arm_spec, ctx).history
+    steps = {a: [h["step"] for h in hist] for a, hist in arms.items()}
+    panels = [("reward", "reward_mean", {a: (steps[a], [h["reward_mean"] for h in hist]) for a, hist in arms.items()}),
+              ("response length", "tokens", {a: (steps[a], [h["response_length/mean"] for h in hist])
+                                             for a, hist in arms.items()}),
+              ("min per-bin p5", "alpha p5", {a: (steps[a], [min([v for k, v in h.items()
+                                                                   if k.startswith("mismatch/alpha_p5/bin_")] or [np.nan])
+                                                              for h in hist]) for a, hist in arms.items() if a != "dense"})]
+    plot_panels(panels, os.path.join(spec.workdir, "study.png"))
+    table = {a: {"reward_start": _window_mean([h["reward_mean"] for h in hist]),
+                 "reward_end": _window_mean([h["reward_mean"] for h in hist][::-1]),
+                 "min_p5": _min_p5(hist),
+                 "response_length_end": _window_mean([h["response_length/mean"] for h in hist][::-1])}
+             for a, hist in arms.items()}
+    report = {"arms": table, "tau": spec.calibration.tau, "calibrated_topk": list(calibrated.topk),
+              "aggressive_topk": spec.study.aggressive_topk, "steps": spec.steps}
+    atomic_write_json(os.path.join(spec.workdir, "report.json"), report)
+    for a, row in table.items():
+        print(f"[study] {a:>10}: reward {row['reward_start']:.3f} -> {row['reward_end']:.3f}, min p5 {row['min_p5']}")
+    print(json.dumps(report))
+    return report
+
+
+def _p5_by_bin(history) -> dict:
+    p5_keys = sorted((k for k in (history[-1] if history else {}) if k.startswith("mismatch/alpha_p5/bin_")),
+                     key=lambda k: int(k.rsplit("_", 1)[1]))
+    p5 = {k.rsplit("_", 1)[1]: _window_mean([h.get(k) for h in history if h.get(k) == h.get(k)], len(history))
+          for k in p5_keys}
+    return {k: v for k, v in p5.items() if v is not None}
+
+
+def run_pipeline(spec: RunSpec) -> dict:
+    """Calibrate if asked, train, and write ``<workdir>/report.json`` and plots; returns the report."""
+    if spec.study is not None:
+        return run_study(spec)
+    os.makedirs(spec.workdir, exist_ok=True)
+    if is_primary():
+        atomic_write_json(os.path.join(spec.workdir, "config.json"), dataclasses.asdict(spec))
+    t0 = time.perf_counter()
+    calibration = None
+    if spec.schedule.kind == "calibrated" and not os.path.exists(os.path.join(spec.workdir, "schedule.json")):
+        calibration = calibrate_run(spec)
+    ctx = build_run_context(spec)
+    result = train(spec, ctx)
+    rewards = [h["reward_mean"] for h in result.history]
+    report = {"reward_start": _window_mean(rewards), "reward_end": _window_mean(rewards[::-1]),
+              "p5_by_bin": _p5_by_bin(result.history), "tau": spec.calibration.tau,
+              "schedule": result.schedule.to_dict() if result.schedule is not None else "dense",
+              "final_eval": result.final_eval, "steps": spec.steps}
+    report.update(measure_rollout_speedup(ctx, result))
+    if spec.distill.enabled:
+        report.update(distill_report(spec, ctx, result))
+    if calibration is not None:
+        report["calibration"] = {k: v for k, v in calibration.items() if k in ("validation", "table_path", "png")}
+    if result.history:
+        plot_curves({"reward_mean": ([h["step"] for h in result.history], rewards)},
+                    os.path.join(spec.workdir, "reward.png"), ylabel="reward", title="reward over training")
+    report["wall_s"] = time.perf_counter() - t0
+    if is_primary():  # only process 0 writes reports
+        atomic_write_json(os.path.join(spec.workdir, "report.json"), report)
+    print(f"[report] reward {report['reward_start']:.3f} -> {report['reward_end']:.3f}; "
+          f"rollout speedup {report['rollout_speedup']:.2f}x; p5 by bin {report['p5_by_bin']}", flush=True)
+    print(json.dumps({k: report[k] for k in ("reward_start", "reward_end", "p5_by_bin", "tau", "rollout_speedup")}))
+    return report

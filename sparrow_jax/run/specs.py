@@ -1,0 +1,296 @@
+"""Typed run specs: the ``ml_collections`` run config parsed once, validated in one place.
+
+``parse_spec(cfg)`` reads every leaf of the config into frozen dataclasses (model, task,
+sampling, schedule, calibration, train, distill, mesh, optional study) and raises
+:class:`ConfigError` naming ``--config.<field>`` for a bad value, a missing field or a field
+that no spec consumes (so a config field that no code reads cannot exist silently). Below
+this module and the entry points no library function takes a ``ConfigDict``.
+"""
+from __future__ import annotations
+
+import dataclasses
+import typing
+from typing import Any, Optional
+
+from ml_collections import ConfigDict
+
+
+class ConfigError(ValueError):
+    """An invalid run config; the message names the field as ``--config.<field>``."""
+
+
+def _spec(cls):
+    return dataclasses.dataclass(frozen=True)(cls)
+
+
+@_spec
+class ModelSpec:
+    source: str  # tiny | hf | warmup
+    hf_dir: str
+    dtype: str
+    param_dtype: str
+    tiny: dict  # Qwen3Config fields of the tiny / warm-up architecture (vocab_size: the tokenizer's)
+    warmup: dict = dataclasses.field(default_factory=dict)  # optional warm-up SFT block (WarmupSettings + cache_dir)
+
+
+@_spec
+class TaskSpec:
+    name: str
+    dataset: str
+    context_tokens: int
+    hops: int
+    distractor_frac: float
+    num_train: int
+    num_eval: int
+    seed: int
+    key_len: int
+
+
+@_spec
+class SamplingSpec:
+    prompts_per_step: int
+    group_size: int
+    max_new_tokens: int
+    temperature: float
+    top_p: float
+    top_k: int
+    progress: bool
+
+
+@_spec
+class ScheduleSpec:
+    kind: str  # dense | fixed | preset | json | calibrated
+    topk: int
+    preset: str
+    path: str
+    page_size: int
+    bin_width: int
+    reserved_first: int
+    reserved_last: int
+    dense_layers: tuple
+    selector: str
+    impl: str
+
+
+@_spec
+class CalibrationSpec:
+    tau: float
+    budgets: tuple
+    num_prompts: int
+    samples_per_prompt: int
+    validate_prompts: int
+    percentile: float
+    min_count: int
+
+
+@_spec
+class TrainSpec:
+    learning_rate: float
+    max_grad_norm: float
+    adv_mode: str
+    clip_low: float
+    clip_high: float
+    dual_clip: float
+    loss_agg: str
+    tis_cap: float
+    tis_level: str
+    kl_coef: float
+    kl_kind: str
+    entropy_coef: float
+    micro_batches: int
+    remat: bool
+
+
+@_spec
+class DistillSpec:
+    enabled: bool
+    rank: int
+    alpha: float
+    targets: tuple
+    learning_rate: float
+    kl_coef: float
+    kl: str
+    tis_cap: float
+    updates_per_step: int
+    switch_topk: int
+    switch_every: int
+    compare_without: bool
+    eval_samples: int
+
+
+@_spec
+class MeshSpec:
+    data: int
+    fsdp: int
+    tensor: int
+
+
+@_spec
+class StudySpec:
+    aggressive_topk: int
+
+
+@_spec
+class RunSpec:
+    workdir: str
+    seed: int
+    steps: int
+    checkpoint_every: int
+    keep_checkpoints: int
+    eval_every: int
+    eval_k: int
+    tokenizer: str
+    model: ModelSpec
+    task: TaskSpec
+    schedule: ScheduleSpec
+    rollout: SamplingSpec
+    calibration: CalibrationSpec
+    train: TrainSpec
+    distill: DistillSpec
+    mesh: MeshSpec
+    study: Optional[StudySpec] = None  # optional block: run the dense / calibrated / aggressive study
+
+
+# ---- parsing -------------------------------------------------------------------------------
+
+def _leaves(node: Any, prefix: str) -> list[str]:
+    if isinstance(node, (ConfigDict, dict)):
+        out = []
+        for k in node.keys():
+            out += _leaves(node[k], f"{prefix}.{k}" if prefix else str(k))
+        return out
+    return [prefix]
+
+
+def _coerce(field: str, hint: Any, value: Any) -> Any:
+    bad = lambda what: ConfigError(f"--config.{field}={value!r}: expected {what}")
+    if hint is bool:
+        if not isinstance(value, bool):
+            raise bad("a bool")
+        return value
+    if hint is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise bad("an int")
+        return value
+    if hint is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise bad("a number")
+        return float(value)
+    if hint is str:
+        if not isinstance(value, str):
+            raise bad("a string")
+        return value
+    if hint is tuple:
+        if not isinstance(value, (list, tuple)):
+            raise bad("a tuple")
+        return tuple(value)
+    if hint is dict:
+        if not isinstance(value, (ConfigDict, dict)):
+            raise bad("a block of fields")
+        return value.to_dict() if isinstance(value, ConfigDict) else dict(value)
+    raise TypeError(f"spec field {field}: unsupported type {hint}")
+
+
+def _section(cls, node: ConfigDict, prefix: str, consumed: set[str]):
+    """Instance of spec ``cls`` from ``node``; records the consumed config paths."""
+    hints = typing.get_type_hints(cls)
+    kw = {}
+    for f in dataclasses.fields(cls):
+        path = f"{prefix}{f.name}"
+        optional = f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING
+        if f.name not in node:
+            if optional:
+                continue
+            raise ConfigError(f"--config.{path} is missing")
+        consumed.add(path)
+        hint = hints[f.name]
+        if dataclasses.is_dataclass(hint) or typing.get_origin(hint) is typing.Union:
+            sub = hint if dataclasses.is_dataclass(hint) else typing.get_args(hint)[0]
+            if not isinstance(node[f.name], ConfigDict):
+                raise ConfigError(f"--config.{path}: expected a block of fields")
+            kw[f.name] = _section(sub, node[f.name], f"{path}.", consumed)
+        else:
+            kw[f.name] = _coerce(path, hint, node[f.name])
+    return cls(**kw)
+
+
+def parse_spec(cfg: ConfigDict) -> RunSpec:
+    """The typed, validated :class:`RunSpec` of a run config. Raises :class:`ConfigError`
+    naming ``--config.<field>`` for a bad, missing or unread field."""
+    consumed: set[str] = set()
+    spec = _section(RunSpec, cfg, "", consumed)
+    unread = [p for p in _leaves(cfg, "") if not any(p == c or p.startswith(c + ".") for c in consumed)]
+    if unread:
+        raise ConfigError(f"--config.{unread[0]} is read by no code (unknown field"
+                          f"{'s ' + ', '.join(unread[1:]) + ' too' if unread[1:] else ''})")
+    validate(spec)
+    return spec
+
+
+# ---- validation: every rule in one place -----------------------------------------------------
+
+CHOICES = {
+    "model.source": ("tiny", "hf", "warmup"),
+    "model.dtype": ("float32", "bfloat16"),
+    "model.param_dtype": ("float32", "bfloat16"),
+    "schedule.kind": ("dense", "fixed", "preset", "json", "calibrated"),
+    "schedule.selector": ("centroid", "quest"),
+    "schedule.impl": ("auto", "reference", "xla", "cpu", "pallas_tpu", "pallas_gpu", "triton"),
+    "train.adv_mode": ("grpo", "drgrpo"),
+    "train.loss_agg": ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum"),
+    "train.tis_level": ("token", "sequence"),
+    "train.kl_kind": ("k1", "k2", "k3"),
+    "distill.kl": ("exact", "exact_reverse", "k3"),
+}
+POSITIVE = ("steps", "checkpoint_every", "keep_checkpoints", "eval_k", "rollout.prompts_per_step",
+            "rollout.group_size", "rollout.max_new_tokens", "schedule.page_size", "schedule.bin_width",
+            "train.micro_batches", "task.num_train", "task.num_eval", "mesh.data", "mesh.fsdp", "mesh.tensor",
+            "distill.eval_samples", "distill.updates_per_step", "distill.rank", "calibration.num_prompts",
+            "calibration.samples_per_prompt", "calibration.validate_prompts")
+NON_NEGATIVE = ("eval_every", "rollout.temperature", "rollout.top_k", "schedule.topk", "schedule.reserved_first",
+                "schedule.reserved_last", "train.learning_rate", "train.max_grad_norm", "train.clip_low",
+                "train.clip_high", "train.dual_clip", "train.tis_cap", "train.kl_coef", "train.entropy_coef",
+                "distill.learning_rate", "distill.kl_coef", "distill.tis_cap", "distill.switch_topk",
+                "distill.switch_every", "calibration.min_count")
+
+
+def _get(spec: RunSpec, dotted: str) -> Any:
+    node = spec
+    for part in dotted.split("."):
+        node = getattr(node, part)
+    return node
+
+
+def _require(ok: bool, field: str, value: Any, why: str) -> None:
+    if not ok:
+        raise ConfigError(f"--config.{field}={value!r}: {why}")
+
+
+def validate(spec: RunSpec) -> None:
+    """Raise :class:`ConfigError` naming the first invalid field of ``spec``."""
+    _require(bool(spec.workdir), "workdir", spec.workdir, "must be a non-empty path")
+    for field, allowed in CHOICES.items():
+        _require(_get(spec, field) in allowed, field, _get(spec, field), f"expected one of {allowed}")
+    for field in POSITIVE:
+        _require(_get(spec, field) > 0, field, _get(spec, field), "must be > 0")
+    for field in NON_NEGATIVE:
+        _require(_get(spec, field) >= 0, field, _get(spec, field), "must be >= 0")
+    r, s, m = spec.rollout, spec.schedule, spec.model
+    _require(0 < r.top_p <= 1, "rollout.top_p", r.top_p, "must be in (0, 1]")
+    _require(r.group_size >= 2, "rollout.group_size", r.group_size, "must be >= 2 for group advantages")
+    _require(m.source != "hf" or bool(m.hf_dir), "model.hf_dir", m.hf_dir, "is required when model.source='hf'")
+    _require(m.source != "warmup" or spec.tokenizer == "builtin", "tokenizer", spec.tokenizer,
+             "the warm-up model is trained with the builtin tokenizer (model.source='warmup')")
+    _require(s.kind != "preset" or bool(s.preset), "schedule.preset", s.preset, "is required when schedule.kind='preset'")
+    _require(s.kind != "json" or bool(s.path), "schedule.path", s.path, "is required when schedule.kind='json'")
+    _require((r.prompts_per_step * r.group_size) % spec.train.micro_batches == 0, "train.micro_batches",
+             spec.train.micro_batches, "must divide rollout.prompts_per_step * rollout.group_size")
+    _require(0 < spec.calibration.tau < 1, "calibration.tau", spec.calibration.tau, "must be in (0, 1)")
+    # No reference-policy KL term is wired into the train step yet: a non-zero value would
+    # silently do nothing, so it is refused (kl_kind only matters with kl_coef > 0).
+    _require(spec.train.kl_coef == 0, "train.kl_coef", spec.train.kl_coef,
+             "a KL-to-reference term is not implemented yet; set it to 0")
+    _require(not spec.distill.enabled or s.kind != "dense", "distill.enabled", spec.distill.enabled,
+             "DistillSparse needs sparse rollouts (schedule.kind != 'dense')")
+    _require(bool(spec.distill.switch_topk) == bool(spec.distill.switch_every), "distill.switch_every",
+             spec.distill.switch_every, "phase 2 needs both distill.switch_topk and distill.switch_every (or neither)")
