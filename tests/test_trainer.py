@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from configs.grpo_tiny import get_config
-from sparrow_jax.config_schema import ConfigError, validate
+from sparrow_jax.run.specs import ConfigError, parse_spec
 from sparrow_jax.models import init_params, tiny_config
 from sparrow_jax.rl.train_step import Batch, StepOptions, init_train_state, make_optimizer, train_step
 from sparrow_jax.rollout import SparsitySchedule
@@ -100,12 +100,12 @@ def test_mismatch_bins_count_a_token_at_its_query_position():
 def test_invalid_config_names_the_field():
     cfg = get_config()
     cfg.train.loss_agg = "token-sum"
-    with pytest.raises(ConfigError, match="train.loss_agg"):
-        validate(cfg)
+    with pytest.raises(ConfigError, match="--config.train.loss_agg"):
+        parse_spec(cfg)
     cfg = get_config()
     cfg.rollout.max_new_tokens = 0
-    with pytest.raises(ConfigError, match="rollout.max_new_tokens"):
-        validate(cfg)
+    with pytest.raises(ConfigError, match="--config.rollout.max_new_tokens"):
+        parse_spec(cfg)
 
 
 def _run(workdir, steps):
@@ -199,3 +199,32 @@ def test_distill_updates_shrink_the_mismatch_they_train_on():
         alpha.append(float(metrics["mismatch/alpha_mean"]))
     assert kl[-1] < 0.5 * kl[0]
     assert alpha[-1] > alpha[0]
+
+
+def _tiny_spec(workdir, steps, **distill):
+    cfg = get_config()
+    cfg.workdir, cfg.steps, cfg.checkpoint_every, cfg.eval_k = str(workdir), steps, 1, 2
+    cfg.task.context_tokens, cfg.task.num_train, cfg.task.num_eval = 64, 8, 2
+    cfg.rollout.max_new_tokens, cfg.rollout.prompts_per_step, cfg.rollout.group_size = 6, 2, 2
+    for k, v in distill.items():
+        setattr(cfg.distill, k, v)
+    return parse_spec(cfg)
+
+
+def test_loop_state_resumes_exactly(tmp_path):
+    """Two steps straight vs one step, a restart from the checkpoint, one more step: the same
+    losses, rewards and final loop state (policy, LoRA, optimiser moments, data position, key)."""
+    from sparrow_jax.rl.trainer import train
+    from sparrow_jax.run.context import build_run_context
+
+    distill = dict(enabled=True, rank=2)
+    ctx = build_run_context(_tiny_spec(tmp_path / "a", 2, **distill))
+    straight = train(_tiny_spec(tmp_path / "a", 2, **distill), ctx, progress=False)
+    first = train(_tiny_spec(tmp_path / "b", 1, **distill), ctx, progress=False)
+    resumed = train(_tiny_spec(tmp_path / "b", 2, **distill), ctx, progress=False)
+    assert [h["step"] for h in first.history + resumed.history] == [1, 2]
+    for want, got in zip(straight.history, first.history + resumed.history):
+        for k in ("loss", "reward_mean", "distill/kl", "mismatch/alpha_mean"):
+            assert want[k] == got[k], (k, want["step"])
+    same = jax.tree.map(lambda a, b: bool(np.array_equal(np.asarray(a), np.asarray(b))), straight.state, resumed.state)
+    assert all(jax.tree.leaves(same)) and int(resumed.state.data[1]) == 4  # 2 steps x 2 prompts of 8

@@ -11,6 +11,7 @@ import pytest
 from ml_collections import ConfigDict
 
 from configs.common import base_config
+from sparrow_jax.run.specs import parse_spec
 from sparrow_jax.sft import warmup as W
 from sparrow_jax.mismatch import calibrate as C
 from sparrow_jax.models import dense_logits, init_params, load_hf, tiny_config
@@ -24,17 +25,17 @@ TINY_ARCH = dict(vocab_size=128, hidden_size=32, num_hidden_layers=2, num_attent
 
 
 def _model_cfg(**warmup):
-    m = base_config().model
-    m.tiny = ConfigDict(dict(TINY_ARCH))
+    cfg = base_config()
+    cfg.model.tiny = ConfigDict(dict(TINY_ARCH))
     if warmup:
-        m.warmup = ConfigDict(warmup)
-    return m
+        cfg.model.warmup = ConfigDict(warmup)
+    return parse_spec(cfg).model
 
 
-def _task_cfg(context_tokens=64, hops=1):
-    t = base_config().task
-    t.context_tokens, t.hops = context_tokens, hops
-    return t
+def _task_cfg(context_tokens=64, hops=1, name="pointer_chase"):
+    cfg = base_config()
+    cfg.task.context_tokens, cfg.task.hops, cfg.task.name = context_tokens, hops, name
+    return parse_spec(cfg).task
 
 
 # ---------------------------------------------------------------- warm-up: data and loss
@@ -164,8 +165,7 @@ def test_warmup_trains_saves_and_caches(tmp_path, monkeypatch):
 
 
 def test_task_knobs_reject_a_task_without_generator():
-    t = _task_cfg()
-    t.name = "math"
+    t = _task_cfg(name="math")
     with pytest.raises(ValueError, match="has no generator"):
         W.task_knobs(t)
 

@@ -202,14 +202,14 @@ def _section(cls, node: ConfigDict, prefix: str, consumed: set[str]):
             if optional:
                 continue
             raise ConfigError(f"--config.{path} is missing")
-        consumed.add(path)
         hint = hints[f.name]
-        if dataclasses.is_dataclass(hint) or typing.get_origin(hint) is typing.Union:
+        if dataclasses.is_dataclass(hint) or typing.get_origin(hint) is typing.Union:  # a section: its leaves count
             sub = hint if dataclasses.is_dataclass(hint) else typing.get_args(hint)[0]
             if not isinstance(node[f.name], ConfigDict):
                 raise ConfigError(f"--config.{path}: expected a block of fields")
             kw[f.name] = _section(sub, node[f.name], f"{path}.", consumed)
         else:
+            consumed.add(path)  # a leaf, or a whole free-form block (model.tiny, model.warmup)
             kw[f.name] = _coerce(path, hint, node[f.name])
     return cls(**kw)
 
