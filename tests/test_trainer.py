@@ -228,3 +228,21 @@ def test_loop_state_resumes_exactly(tmp_path):
             assert want[k] == got[k], (k, want["step"])
     same = jax.tree.map(lambda a, b: bool(np.array_equal(np.asarray(a), np.asarray(b))), straight.state, resumed.state)
     assert all(jax.tree.leaves(same)) and int(resumed.state.data[1]) == 4  # 2 steps x 2 prompts of 8
+
+
+def test_a_task_that_asks_for_a_reward_pool_is_scored_in_it():
+    import dataclasses
+    from types import SimpleNamespace
+
+    from sparrow_jax.data.registry import Task
+    from sparrow_jax.data.rewards import RewardPool
+    from sparrow_jax.rl.trainer import reward_pool, score
+
+    task = Task("len", lambda e, tok: e["prompt"], lambda c, e: float(len(c)), use_reward_pool=True)
+    pool = reward_pool(SimpleNamespace(task=task))
+    assert isinstance(pool, RewardPool)
+    pool.close()
+    assert reward_pool(SimpleNamespace(task=dataclasses.replace(task, use_reward_pool=False))) is None
+    with RewardPool(lambda c, e: 10.0 * len(c), num_workers=0) as in_process:  # marks what the pool scored
+        np.testing.assert_array_equal(score(SimpleNamespace(task=task), ["ab", "c"], [{}, {}], in_process), [20, 10])
+    np.testing.assert_array_equal(score(SimpleNamespace(task=task), ["ab", "c"], [{}, {}]), [2, 1])

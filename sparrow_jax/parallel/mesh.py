@@ -37,7 +37,7 @@ def _field(mesh_cfg: Any, name: str) -> Any:
 
 
 def mesh_shape(mesh_cfg: Any) -> tuple[int, int, int]:
-    """(data, fsdp, tensor) from a ConfigDict / dict / object with those fields, each an int >= 1."""
+    """(data, fsdp, tensor) from a MeshSpec / dict / object with those fields, each an int >= 1."""
     shape = []
     for name in AXES:
         value = _field(mesh_cfg, name)

@@ -68,6 +68,7 @@ class Loop:
     lora_cfg: Optional[LoraConfig]
     lora_optimizer: Optional[optax.GradientTransformation]  # the LoRA's own Adam (no clipping)
     distill: Optional[DistillOptions]
+    pool: Optional[RewardPool] = None  # reward workers of a task that asks for them (closed by train)
 
 
 class TrainResult(NamedTuple):
@@ -79,27 +80,33 @@ class TrainResult(NamedTuple):
 
 # ---- rollouts ----------------------------------------------------------------------------
 
-def score(ctx: RunContext, completions: list[str], examples: list[dict]) -> np.ndarray:
-    """Task rewards; a task that asks for it (``use_reward_pool``) is scored in worker processes."""
-    if ctx.task.use_reward_pool:
-        with RewardPool(ctx.task.reward, initializer=ctx.task.reward_pool_initializer) as pool:
-            return np.asarray(pool.score_batch(completions, examples), np.float32)
+def reward_pool(ctx: RunContext) -> Optional[RewardPool]:
+    """Worker processes for a task that asks for them (``use_reward_pool``: slow or unbounded verifiers)."""
+    return RewardPool(ctx.task.reward, initializer=ctx.task.reward_pool_initializer) if ctx.task.use_reward_pool else None
+
+
+def score(ctx: RunContext, completions: list[str], examples: list[dict], pool: Optional[RewardPool] = None):
+    """Task rewards [B] float32, in ``pool`` when given, else in this process."""
+    if pool is not None:
+        return np.asarray(pool.score_batch(completions, examples), np.float32)
     return np.asarray([float(ctx.task.reward(c, e)) for c, e in zip(completions, examples)], np.float32)
 
 
-def sample(ctx: RunContext, params, examples: list[dict], key, repeats: int, schedule: Optional[SparsitySchedule]):
+def sample(ctx: RunContext, params, examples: list[dict], key, repeats: int, schedule: Optional[SparsitySchedule],
+           pool: Optional[RewardPool] = None):
     """``repeats`` completions per example with ``params`` under ``schedule``; (rollout, rewards [B])."""
     rows = [e for e in examples for _ in range(repeats)]
     rollout = generate(ctx.model_config, params, [ctx.encode(e) for e in rows], key, ctx.sampling,
                        schedule=schedule, impl=ctx.impl, pad_id=ctx.tokenizer.pad_id, progress=ctx.decode_progress)
     completions = [ctx.tokenizer.decode(rollout.tokens[b, rollout.prompt_lens[b]:rollout.lengths[b]].tolist())
                    for b in range(len(rows))]
-    return rollout, score(ctx, completions, rows)
+    return rollout, score(ctx, completions, rows, pool)
 
 
-def evaluate(ctx: RunContext, params, schedule, examples: list[dict], k: int, key) -> dict[str, float]:
+def evaluate(ctx: RunContext, params, schedule, examples: list[dict], k: int, key,
+             pool: Optional[RewardPool] = None) -> dict[str, float]:
     """mean@k and pass@k over held-out prompts (k samples each at the rollout temperature)."""
-    _, rewards = sample(ctx, params, examples, key, k, schedule)
+    _, rewards = sample(ctx, params, examples, key, k, schedule, pool)
     r = rewards.reshape(len(examples), k)
     return {f"eval/mean@{k}": float(r.mean()), f"eval/pass@{k}": float((r.max(axis=1) > 0).mean())}
 
@@ -149,7 +156,8 @@ def make_loop(spec: RunSpec, ctx: RunContext) -> Loop:
     d = spec.distill
     distill = DistillOptions(kl_coef=d.kl_coef, kl=d.kl, tis_cap=d.tis_cap, updates=d.updates_per_step)
     lora = (lora_config(d), make_optimizer(d.learning_rate, max_grad_norm=0.0), distill) if d.enabled else (None,) * 3
-    return Loop(spec, ctx, make_mesh(spec.mesh), make_optimizer(tr.learning_rate, tr.max_grad_norm), opts, *lora)
+    return Loop(spec, ctx, make_mesh(spec.mesh), make_optimizer(tr.learning_rate, tr.max_grad_norm), opts, *lora,
+                pool=reward_pool(ctx))
 
 
 def init_state(loop: Loop) -> LoopState:
@@ -203,7 +211,8 @@ def collect(loop: Loop, state: LoopState, key) -> tuple[Batch, dict, jax.Array]:
     t0 = time.perf_counter()
     examples, data = next_examples(loop, state)
     g = loop.spec.rollout.group_size
-    rollout, rewards = sample(loop.ctx, actor_params(loop, state), examples, key, g, current_schedule(loop, state))
+    rollout, rewards = sample(loop.ctx, actor_params(loop, state), examples, key, g, current_schedule(loop, state),
+                              loop.pool)
     adv = group_advantages(jnp.asarray(rewards), g, mode=loop.spec.train.adv_mode)
     batch = shard_batch(Batch(*_pad_batch(rollout), adv, rollout.prompt_lens), loop.mesh)
     metrics = {"reward_mean": float(rewards.mean()), "critic/score/mean": float(rewards.mean()),
@@ -259,7 +268,7 @@ def rl_step(loop: Loop, state: LoopState) -> tuple[LoopState, dict]:
     spec = loop.spec
     if spec.eval_every and state.step % spec.eval_every == 0:
         metrics.update(evaluate(loop.ctx, state.train.params, current_schedule(loop, state), loop.ctx.eval_rows,
-                                spec.eval_k, jax.random.fold_in(key, 1)))
+                                spec.eval_k, jax.random.fold_in(key, 1), loop.pool))
     return state, metrics
 
 
@@ -268,7 +277,16 @@ def rl_step(loop: Loop, state: LoopState) -> tuple[LoopState, dict]:
 def train(spec: RunSpec, ctx: RunContext, progress: bool = True) -> TrainResult:
     """Run (or resume from ``<workdir>/checkpoints``) RL training; returns data, not live objects."""
     os.makedirs(spec.workdir, exist_ok=True)
-    loop, ckpt = make_loop(spec, ctx), _checkpoints(spec)
+    loop = make_loop(spec, ctx)
+    try:
+        return _run(loop, progress)
+    finally:
+        if loop.pool is not None:
+            loop.pool.close()
+
+
+def _run(loop: Loop, progress: bool) -> TrainResult:
+    spec, ctx, ckpt = loop.spec, loop.ctx, _checkpoints(loop.spec)
     state = restore_or_init(loop, ckpt)
     writer = MetricWriter(spec.workdir, resume_step=state.step, is_primary=is_primary())
     bar = ProgressBar(total=spec.steps, initial=state.step, desc="rl", disable=not progress)
@@ -284,5 +302,5 @@ def train(spec: RunSpec, ctx: RunContext, progress: bool = True) -> TrainResult:
     writer.close()
     schedule = current_schedule(loop, state)
     final_eval = evaluate(ctx, state.train.params, schedule, ctx.eval_rows, spec.eval_k,
-                          jax.random.fold_in(state.key, 10**6))
+                          jax.random.fold_in(state.key, 10**6), loop.pool)
     return TrainResult(state, schedule, history, final_eval)
