@@ -82,7 +82,9 @@ class TrainResult(NamedTuple):
 
 def reward_pool(ctx: RunContext) -> Optional[RewardPool]:
     """Worker processes for a task that asks for them (``use_reward_pool``: slow or unbounded verifiers)."""
-    return RewardPool(ctx.task.reward, initializer=ctx.task.reward_pool_initializer) if ctx.task.use_reward_pool else None
+    if not ctx.task.use_reward_pool:
+        return None
+    return RewardPool(ctx.task.reward, initializer=ctx.task.reward_pool_initializer)
 
 
 def score(ctx: RunContext, completions: list[str], examples: list[dict], pool: Optional[RewardPool] = None):
@@ -147,6 +149,7 @@ def _pad_batch(rollout, length_bucket: int = 64):
 # ---- set-up --------------------------------------------------------------------------------
 
 def make_loop(spec: RunSpec, ctx: RunContext) -> Loop:
+    """The static half of a run: mesh, optimisers, step options, LoRA settings, reward pool."""
     tr, bin_width = spec.train, (ctx.schedule or spec.schedule).bin_width
     max_len = max(len(ctx.encode(e)) for e in ctx.train_rows[:64]) + spec.rollout.max_new_tokens
     opts = StepOptions(clip_low=tr.clip_low, clip_high=tr.clip_high, dual_clip=tr.dual_clip, loss_agg=tr.loss_agg,

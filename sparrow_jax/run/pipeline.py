@@ -69,7 +69,8 @@ def distill_report(spec: RunSpec, ctx: RunContext, result: TrainResult) -> dict:
     """
     schedule, params = result.schedule, result.state.train.params
     before = _tail(spec, ctx, ctx.params, schedule)
-    after = _tail(spec, ctx, params, schedule, merge_lora_actor(params, result.state.lora.lora, lora_config(spec.distill)))
+    actor = merge_lora_actor(params, result.state.lora.lora, lora_config(spec.distill))
+    after = _tail(spec, ctx, params, schedule, actor)
     without = _tail(spec, ctx, params, schedule)
     out = {"p5_before": before["p5"], "p5_after": after["p5"], "p5_after_without_lora": without["p5"],
            "bin_starts": after["bin_starts"], "tail_before": before, "tail_after": after,
@@ -120,12 +121,12 @@ def run_study(spec: RunSpec) -> dict:
         ctx = build_run_context(arm_spec, calibrated) if arm == "calibrated" else build_run_context(arm_spec)
         arms[arm] = train(arm_spec, ctx).history
     steps = {a: [h["step"] for h in hist] for a, hist in arms.items()}
+    min_p5 = lambda h: min([v for k, v in h.items() if k.startswith("mismatch/alpha_p5/bin_")] or [np.nan])
     panels = [("reward", "reward_mean", {a: (steps[a], [h["reward_mean"] for h in hist]) for a, hist in arms.items()}),
               ("response length", "tokens", {a: (steps[a], [h["response_length/mean"] for h in hist])
                                              for a, hist in arms.items()}),
-              ("min per-bin p5", "alpha p5", {a: (steps[a], [min([v for k, v in h.items()
-                                                                   if k.startswith("mismatch/alpha_p5/bin_")] or [np.nan])
-                                                              for h in hist]) for a, hist in arms.items() if a != "dense"})]
+              ("min per-bin p5", "alpha p5", {a: (steps[a], [min_p5(h) for h in hist])
+                                              for a, hist in arms.items() if a != "dense"})]
     plot_panels(panels, os.path.join(spec.workdir, "study.png"))
     table = {a: {"reward_start": _window_mean([h["reward_mean"] for h in hist]),
                  "reward_end": _window_mean([h["reward_mean"] for h in hist][::-1]),

@@ -281,7 +281,8 @@ def validate(spec: RunSpec) -> None:
     _require(m.source != "hf" or bool(m.hf_dir), "model.hf_dir", m.hf_dir, "is required when model.source='hf'")
     _require(m.source != "warmup" or spec.tokenizer == "builtin", "tokenizer", spec.tokenizer,
              "the warm-up model is trained with the builtin tokenizer (model.source='warmup')")
-    _require(s.kind != "preset" or bool(s.preset), "schedule.preset", s.preset, "is required when schedule.kind='preset'")
+    _require(s.kind != "preset" or bool(s.preset), "schedule.preset", s.preset,
+             "is required when schedule.kind='preset'")
     _require(s.kind != "json" or bool(s.path), "schedule.path", s.path, "is required when schedule.kind='json'")
     _require((r.prompts_per_step * r.group_size) % spec.train.micro_batches == 0, "train.micro_batches",
              spec.train.micro_batches, "must divide rollout.prompts_per_step * rollout.group_size")
