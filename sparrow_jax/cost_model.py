@@ -360,6 +360,20 @@ def predicted_speedup(cfg: Qwen3Config, schedule: SparsitySchedule, *, num_sampl
     return d.decode_time_s / s.decode_time_s
 
 
+def relative_rollout_cost(cfg: Qwen3Config, schedule: SparsitySchedule | None, *, num_samples: int,
+                          prompt_len: int, gen_len: int, hardware: str | Hardware = "H200",
+                          combine: str = "max", selector: str = "centroid") -> float:
+    """Predicted rollout time (prefill + decode) of ``schedule`` relative to dense; ``None`` (dense) is 1.
+
+    The inverse of :func:`predicted_speedup`: below 1 the sparse rollout is cheaper.
+    """
+    if schedule is None:
+        _check_run(num_samples, prompt_len, gen_len)
+        return 1.0
+    return 1.0 / predicted_speedup(cfg, schedule, num_samples=num_samples, prompt_len=prompt_len, gen_len=gen_len,
+                                   hardware=hardware, combine=combine, selector=selector)
+
+
 # ------------------------------------------------------------------------------------------------
 # The paper's formulas, literally (sparrow-notes §5)
 

@@ -55,6 +55,18 @@ def test_step_time_matches_rollout_sum():
                                [4.60, 4.70, 4.78])
 
 
+def test_relative_rollout_cost_by_hand():
+    # prompt 10, gen 3: decode steps at positions 10, 11. Sparse (topk 1, page 2, layer 0 dense) step times
+    # 4.70, 4.78 s (test_step_time_matches_rollout_sum); dense 368 + 8*ctx bytes, ctx 11, 12 -> 4.56, 4.64 s.
+    # Prefill (both): flops 2*356*10 + 4*H*dh*L*10*11/2 = 7120 + 1760 = 8880 -> 8.88 s (compute-bound).
+    sched = SparsitySchedule((1,), page_size=2, dense_layers=(0,))
+    kw = dict(num_samples=1, prompt_len=10, gen_len=3, hardware=HW)
+    assert cm.relative_rollout_cost(HAND, sched, **kw) == pytest.approx((8.88 + 4.70 + 4.78) / (8.88 + 4.56 + 4.64))
+    assert cm.relative_rollout_cost(HAND, None, **kw) == 1.0
+    with pytest.raises(ValueError, match="gen_len"):
+        cm.relative_rollout_cost(HAND, None, num_samples=1, prompt_len=10, gen_len=0)
+
+
 def test_weights_amortised_kv_per_sequence():
     # Doubling the batch doubles KV traffic but not weight traffic.
     kw = dict(prompt_len=2, gen_len=3, hardware=HW)

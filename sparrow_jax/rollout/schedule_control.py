@@ -1,0 +1,253 @@
+"""Online control of the sparsity schedule from the train step's per-bin p5 (tail statistic).
+
+The paper calibrates a schedule once and keeps it; but the policy changes during RL, and a
+schedule that held ``p5 >= tau`` at step 0 may break it later (training destabilises) or
+become wasteful. Every train step measures the exact per-bin p5 of the sparse actor on its
+own rollout; :func:`controller_step` feeds it back:
+
+    (ControllerState, p5 [bins], token counts [bins]) -> (ControllerState, top-k [bins])
+
+a pure jnp function (jittable, no Python branching on values) whose state is a pytree of
+fixed-shape arrays, checkpointed as data and resumed bit for bit.
+
+**Grid.** Budgets live on a floating-point-like grid of top-k values (:func:`topk_grid`):
+every integer up to ``2 * levels_per_octave``, then ``m * 2**e`` for mantissas
+``m in (L, 2L]``; with ``L = 4``: 0 1 2 ... 8 10 12 14 16 20 24 28 32 40 ... The state
+holds grid *indices*, so budgets can never leave the grid. Compilation follows the static
+``k_max`` bucket (``schedule.k_max_bucket``: 0..4, 6, 8, 12, 16, 24, ..., half-octaves); the
+per-bin table itself is traced data. Above 8 each bucket holds ``L / 2`` grid points (2 at
+``L = 4``), so a move meets a new compile key only when it crosses a bucket edge (at most every
+``L / 2`` single-level moves of a bin), and the keys a run can ever meet are the few buckets up
+to the dense top-k, each compiled once and then cached. Relative steps are
+``2**(1/L)`` (19% at ``L = 4``): p5 responds roughly to the budget's logarithm, so equal ratios
+are equal steps.
+
+**The rule, per bin** (statistics of a noisy percentile). The sample 5th percentile of
+``n`` tokens is asymptotically normal around the true one with variance ``sigma^2 / n``
+(``sigma^2 = p(1 - p) / f(q)^2``, ``f`` the unknown density of alpha at its 5th percentile).
+Hence:
+
+* *Smoothing*: a token-count-weighted exponential average of the step p5s,
+  ``W_t = rho W_{t-1} + n_t``, ``m_t = (rho W_{t-1} m_{t-1} + n_t x_t) / W_t``: inverse-variance
+  weighting of the steps (a step with 4x the tokens counts 4x), forgetting old evidence at
+  ``rho`` per step because the policy drifts. Its variance is ``sigma^2 U_t / W_t^2`` with
+  ``U_t = rho^2 U_{t-1} + n_t`` (exact for independent steps).
+* *Noise level* ``sigma^2`` is estimated from the data, without knowing ``f``: the one-step
+  prediction residual ``x_t - m_{t-1}`` has variance ``sigma^2 (1/n_t + U_{t-1}/W_{t-1}^2)``,
+  so ``(x_t - m_{t-1})^2 / (1/n_t + U_{t-1}/W_{t-1}^2)`` is an unbiased one-residual estimate,
+  averaged with the same forgetting. Policy drift inflates it: the error is conservative.
+* *Up fast*: when ``m_t < tau`` (point estimate, no confidence needed) the bin moves
+  ``up_levels`` grid levels at once. Under-budget is the dangerous side (p5 below tau
+  destabilises training), so one step with enough tokens suffices.
+* *Down slowly*: only when the one-sided lower confidence bound
+  ``m_t - z * sigma * sqrt(U_t) / W_t`` stays above ``tau + margin`` after at least
+  ``patience`` steps of evidence at the current budget, by ``down_levels`` (default 1).
+  The margin is a hysteresis band: a bin whose p5 sits between tau and tau + margin holds,
+  so budgets do not oscillate around tau; ``patience >= 2`` is needed for a noise estimate.
+* *Thin bins hold*: no move unless this step brought tokens to the bin and the effective
+  count ``W_t >= min_tokens`` (``min_tokens`` tokens put ``0.05 * min_tokens`` of them in the
+  tail the percentile is read from). A bin without tokens this step keeps its smoothed p5
+  while the weight behind it ages (``n_t = 0``).
+* *Fresh evidence after a move*: a bin's statistics reset whenever its budget changes,
+  because p5 is a property of (model, budget, length): the old p5 measured another budget.
+
+**Monotone in position: kept.** After the moves the table is projected onto non-decreasing
+top-k. Why: (1) the needed budget grows with context length (the paper: at a fixed budget p5
+falls with length), so a dip is noise, not signal; (2) bins far out hold few tokens (only long
+completions reach them): the projection lends them the floor of the well-measured bins before
+them; (3) the sampler's segment split and ``SparsitySchedule`` assume it.
+The projection distinguishes *active* bins, whose recent traffic ``T_t = rho T_{t-1} + n_t``
+(never reset) reaches ``min_tokens``, from *free* ones (the prompt region, rare lengths):
+active bins take the running maximum over active bins (a rise lifts every later active bin,
+only ever raising: the safe direction); a free bin takes the budget of the next active bin
+after it (it decodes few tokens, at shorter context than that bin), and free bins after the
+last active one keep their own budget, floored by it. So bins that see no completion tokens
+never hold the schedule up, and a thin bin never blocks a well-measured later bin's fall.
+Any change of a bin's budget, by its own move or by the projection, resets its statistics.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import NamedTuple, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+def topk_grid(max_topk: int, levels_per_octave: int = 4, min_topk: int = 0) -> tuple[int, ...]:
+    """Top-k values the controller may use, ascending: grid points from the first ``>= min_topk`` to the first ``>= max_topk``.
+
+    All integers up to ``2 * L``, then ``m * 2**e`` for ``m in (L, 2L]`` (``L = levels_per_octave``):
+    ``L`` points per power-of-two bucket. The last point covers ``max_topk`` (it may exceed it).
+    """
+    for name, v, lo in (("max_topk", max_topk, 0), ("levels_per_octave", levels_per_octave, 1),
+                        ("min_topk", min_topk, 0)):
+        if not isinstance(v, (int, np.integer)) or v < lo:
+            raise ValueError(f"{name}: expected an int >= {lo}, got {v!r}")
+    if min_topk > max_topk:
+        raise ValueError(f"min_topk {min_topk} exceeds max_topk {max_topk}")
+    L = int(levels_per_octave)
+    values = list(range(2 * L + 1))
+    scale = 2
+    while values[-1] < max_topk:
+        values += [m * scale for m in range(L + 1, 2 * L + 1)]
+        scale *= 2
+    top = next(v for v in values if v >= max_topk)
+    bottom = next(v for v in values if v >= min_topk)  # a floor: never below min_topk
+    return tuple(v for v in values if bottom <= v <= top)
+
+
+@dataclasses.dataclass(frozen=True)
+class ControllerSettings:
+    """Static settings of the online controller (hashable: a jit static argument).
+
+    Fields:
+      grid: ascending top-k values the budgets move on (:func:`topk_grid`).
+      tau: target p5 acceptance rate per bin.
+      margin: hysteresis band: a bin moves down only when confidently above ``tau + margin``.
+      up_levels: grid levels a bin rises per step when its smoothed p5 is below ``tau``.
+      down_levels: grid levels a bin falls per step when confidently above ``tau + margin``.
+      min_tokens: effective token count a bin needs before it may move.
+      smoothing: per-step forgetting factor ``rho`` in [0, 1) of the weighted p5 average.
+      z: one-sided normal quantile of the lower confidence bound used for down moves.
+      patience: steps of evidence at the current budget before a down move (>= 2).
+    """
+
+    grid: tuple[int, ...]
+    tau: float = 0.86
+    margin: float = 0.03
+    up_levels: int = 2
+    down_levels: int = 1
+    min_tokens: int = 256
+    smoothing: float = 0.7
+    z: float = 1.64
+    patience: int = 3
+
+    def __post_init__(self) -> None:
+        grid = tuple(int(v) for v in self.grid)
+        object.__setattr__(self, "grid", grid)
+        if not grid or any(b <= a for a, b in zip(grid, grid[1:])) or grid[0] < 0:
+            raise ValueError(f"grid: expected strictly ascending top-k values >= 0, got {list(grid)}")
+        checks = (("tau", 0 < self.tau < 1, "in (0, 1)"), ("margin", 0 <= self.margin < 1, "in [0, 1)"),
+                  ("up_levels", self.up_levels >= 1, ">= 1"), ("down_levels", self.down_levels >= 1, ">= 1"),
+                  ("min_tokens", self.min_tokens >= 1, ">= 1"), ("smoothing", 0 <= self.smoothing < 1, "in [0, 1)"),
+                  ("z", self.z >= 0, ">= 0"), ("patience", self.patience >= 2, ">= 2"))
+        for name, ok, want in checks:
+            if not ok:
+                raise ValueError(f"{name}: expected {want}, got {getattr(self, name)!r}")
+
+
+class ControllerState(NamedTuple):
+    """Per-bin controller state, all arrays of shape [bins] (a checkpointable pytree).
+
+    level: int32 grid index of the bin's current top-k.
+    mean: float32 smoothed p5 at the current budget (m_t).
+    weight: float32 forgetting-weighted token count (W_t).
+    weight_sq: float32 forgetting^2-weighted token count (U_t); the mean's variance is sigma^2 U / W^2.
+    noise: float32 estimate of sigma^2 (a step p5 over n tokens has variance noise / n).
+    noise_weight: float32 forgetting-weighted number of residuals behind ``noise``.
+    steps: int32 steps with tokens since the bin's budget last changed.
+    traffic: float32 forgetting-weighted token count, never reset (T_t): bins at ``min_tokens`` are active.
+    """
+
+    level: jax.Array
+    mean: jax.Array
+    weight: jax.Array
+    weight_sq: jax.Array
+    noise: jax.Array
+    noise_weight: jax.Array
+    steps: jax.Array
+    traffic: jax.Array
+
+
+def init_controller(settings: ControllerSettings, start_topk: Sequence[int], num_bins: int) -> ControllerState:
+    """State for ``num_bins`` bins starting at ``start_topk`` (one value per bin, or fewer: the last repeats).
+
+    Each start value is rounded up to the nearest grid point (the top point when above the grid);
+    the result is made non-decreasing in position.
+    """
+    if not isinstance(num_bins, (int, np.integer)) or num_bins < 1:
+        raise ValueError(f"num_bins: expected an int >= 1, got {num_bins!r}")
+    start = [int(k) for k in start_topk]
+    if not start:
+        raise ValueError("start_topk: expected at least one value")
+    start = (start + [start[-1]] * num_bins)[:num_bins]
+    grid = np.asarray(settings.grid)
+    level = np.minimum(np.searchsorted(grid, start, side="left"), len(grid) - 1)
+    zeros = jnp.zeros((num_bins,), jnp.float32)
+    return ControllerState(level=jnp.asarray(np.maximum.accumulate(level), jnp.int32), mean=zeros, weight=zeros,
+                           weight_sq=zeros, noise=zeros, noise_weight=zeros,
+                           steps=jnp.zeros((num_bins,), jnp.int32), traffic=zeros)
+
+
+def controller_topk(settings: ControllerSettings, state: ControllerState) -> jax.Array:
+    """Current top-k per bin, int32 [bins]."""
+    return jnp.asarray(settings.grid, jnp.int32)[state.level]
+
+
+def controller_step(settings: ControllerSettings, state: ControllerState, p5: jax.Array,
+                    counts: jax.Array) -> tuple[ControllerState, jax.Array]:
+    """One control update from this step's per-bin tail statistic (see the module docstring).
+
+    Args:
+      settings: static settings.
+      state: per-bin state, arrays [bins].
+      p5: float [bins] this step's p5 acceptance rate per bin (NaN or anything where counts == 0).
+      counts: int/float [bins] tokens behind each p5.
+    Returns:
+      (new state, top-k per bin int32 [bins]), top-k on the grid and non-decreasing in position.
+    """
+    rho = jnp.float32(settings.smoothing)
+    n = jnp.asarray(counts, jnp.float32)
+    x = jnp.asarray(p5, jnp.float32)
+    seen = (n > 0) & jnp.isfinite(x)
+    n = jnp.where(seen, n, 0.0)
+    x = jnp.where(seen, x, 0.0)
+
+    # Noise level from the one-step residual (needs a previous estimate at this budget).
+    has_prev = seen & (state.weight > 0)
+    prev_var = state.weight_sq / jnp.maximum(state.weight, 1e-30) ** 2  # Var(m_{t-1}) / sigma^2
+    resid_sigma2 = (x - state.mean) ** 2 / (1.0 / jnp.maximum(n, 1.0) + prev_var)
+    noise_weight = jnp.where(has_prev, rho * state.noise_weight + 1.0, state.noise_weight)
+    noise = jnp.where(has_prev, (rho * state.noise_weight * state.noise + resid_sigma2)
+                      / jnp.maximum(noise_weight, 1e-30), state.noise)
+
+    # Count-weighted exponential average of p5; evidence ages every step, seen or not.
+    decayed = rho * state.weight
+    weight = decayed + n
+    mean = jnp.where(seen, (decayed * state.mean + n * x) / jnp.maximum(weight, 1e-30), state.mean)
+    weight_sq = rho * rho * state.weight_sq + n
+    steps = state.steps + seen.astype(jnp.int32)
+
+    enough = seen & (weight >= settings.min_tokens)
+    std_err = jnp.sqrt(noise * weight_sq) / jnp.maximum(weight, 1e-30)
+    lower = mean - jnp.float32(settings.z) * std_err
+    go_up = enough & (mean < settings.tau)
+    go_down = (enough & ~go_up & (steps >= settings.patience) & (noise_weight > 0)
+               & (lower > settings.tau + settings.margin))
+    delta = jnp.where(go_up, settings.up_levels, jnp.where(go_down, -settings.down_levels, 0))
+    moved_level = jnp.clip(state.level + delta, 0, len(settings.grid) - 1)
+    traffic = rho * state.traffic + n
+    level = _monotone(moved_level, traffic >= settings.min_tokens, len(settings.grid))
+
+    moved = level != state.level  # new budget: its statistics start afresh
+    zero = jnp.zeros_like(mean)
+    new = ControllerState(level=level, mean=jnp.where(moved, zero, mean), weight=jnp.where(moved, zero, weight),
+                          weight_sq=jnp.where(moved, zero, weight_sq), noise=jnp.where(moved, zero, noise),
+                          noise_weight=jnp.where(moved, zero, noise_weight),
+                          steps=jnp.where(moved, 0, steps).astype(jnp.int32), traffic=traffic)
+    return new, controller_topk(settings, new)
+
+
+def _monotone(level: jax.Array, active: jax.Array, num_levels: int) -> jax.Array:
+    """Non-decreasing grid indices [bins]: running max over active bins; a free bin takes the next
+    active bin's level, or after the last active bin its own level floored (module docstring)."""
+    floor = jax.lax.cummax(jnp.where(active, level, -1), axis=0)  # active bins: their final level
+    next_active = jax.lax.cummin(jnp.where(active, floor, num_levels), axis=0, reverse=True)
+    trailing = next_active >= num_levels  # no active bin at or after this one
+    tail = jax.lax.cummax(jnp.where(trailing, jnp.maximum(floor, level), -1), axis=0)
+    return jnp.where(trailing, tail, next_active).astype(jnp.int32)
+
+
+controller_step_jit = jax.jit(controller_step, static_argnums=0)
