@@ -40,7 +40,7 @@ def task_config() -> ConfigDict:
 
 def schedule_config() -> ConfigDict:
     return ConfigDict(dict(
-        kind="calibrated",  # dense | fixed | preset | json | calibrated (derived by calibration in the run)
+        kind="calibrated",  # dense | fixed | preset | json | calibrated (derived by calibration in the run) | online
         topk=8,  # kind fixed: top-k pages
         preset="",  # kind preset: e.g. qwen3-4b-0.86
         path="",  # kind json: a schedule JSON written by calibration
@@ -51,6 +51,25 @@ def schedule_config() -> ConfigDict:
         dense_layers=(0,),  # layers that stay dense (paper: (0, 1); tiny models keep one)
         selector="centroid",  # centroid | quest
         impl="auto",  # sparse attention implementation: auto | reference | xla | cpu | pallas_tpu | pallas_gpu
+        cost_hardware="H200",  # hardware of the logged predicted rollout cost vs dense (cost_model.HARDWARE key)
+        online=online_schedule_config(),  # kind online: the per-bin p5 controller (rollout/schedule_control.py)
+    ))
+
+
+def online_schedule_config() -> ConfigDict:
+    return ConfigDict(dict(
+        start="calibrated",  # first schedule: calibrated | preset | fixed | dense (uses schedule.preset / topk)
+        tau=0.86,  # target p5 acceptance rate per position bin
+        margin=0.03,  # hysteresis: a bin's budget falls only when confidently above tau + margin
+        up_levels=2,  # grid levels a bin rises in one step when its smoothed p5 is below tau
+        down_levels=1,  # grid levels a bin falls in one step when confidently above tau + margin
+        min_tokens=256,  # effective tokens a bin needs before its budget may move (thin bins hold)
+        smoothing=0.7,  # per-step forgetting factor of the token-weighted p5 average, in [0, 1)
+        z=1.64,  # one-sided normal quantile of the lower confidence bound for falls (1.64: 95%)
+        patience=3,  # steps with tokens at the current budget before a fall (>= 2)
+        levels_per_octave=4,  # top-k grid points per power of two (L / 2 per static k_max bucket: rare recompiles)
+        min_topk=1,  # smallest top-k the controller may set
+        max_topk=0,  # largest top-k (0: enough pages to cover the run's longest sequence, i.e. dense)
     ))
 
 

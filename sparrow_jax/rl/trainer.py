@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from sparrow_jax.cost_model import relative_rollout_cost
 from sparrow_jax.data.datasets import PromptIterator
 from sparrow_jax.data.rewards import RewardPool
 from sparrow_jax.io.checkpoint import CheckpointManager
@@ -31,9 +32,11 @@ from sparrow_jax.rl.context import RunContext
 from sparrow_jax.rl.train_step import (Batch, DistillOptions, LoraState, StepOptions, TrainState, init_train_state,
                                        make_optimizer, train_step)
 from sparrow_jax.rollout import SparsitySchedule, generate
+from sparrow_jax.rollout.schedule_control import (ControllerSettings, ControllerState, controller_step_jit,
+                                                  controller_topk, init_controller, topk_grid)
 
 if TYPE_CHECKING:
-    from sparrow_jax.run.specs import DistillSpec, RunSpec
+    from sparrow_jax.run.specs import DistillSpec, RunSpec, ScheduleSpec
 
 
 class LoopState(NamedTuple):
@@ -42,6 +45,7 @@ class LoopState(NamedTuple):
     topk: int32 [bins] the sparse actor's current per-bin top-k table ([0] for dense rollouts).
     switched: bool [] phase 2 (the more aggressive LoRA-aided budget) is on.
     data: int32 [2] (epoch, index) of the prompt iterator. key: the run's root PRNG key.
+    controller: the online schedule's per-bin controller state (schedule.kind = online), else None.
     """
 
     train: TrainState
@@ -50,6 +54,7 @@ class LoopState(NamedTuple):
     switched: jax.Array
     data: jax.Array
     key: jax.Array
+    controller: Optional[ControllerState] = None
 
     @property
     def step(self) -> int:
@@ -69,6 +74,7 @@ class Loop:
     lora_optimizer: Optional[optax.GradientTransformation]  # the LoRA's own Adam (no clipping)
     distill: Optional[DistillOptions]
     pool: Optional[RewardPool] = None  # reward workers of a task that asks for them (closed by train)
+    controller: Optional[ControllerSettings] = None  # schedule.kind = online: the per-bin p5 controller
 
 
 class TrainResult(NamedTuple):
@@ -159,8 +165,18 @@ def make_loop(spec: RunSpec, ctx: RunContext) -> Loop:
     d = spec.distill
     distill = DistillOptions(kl_coef=d.kl_coef, kl=d.kl, tis_cap=d.tis_cap, updates=d.updates_per_step)
     lora = (lora_config(d), make_optimizer(d.learning_rate, max_grad_norm=0.0), distill) if d.enabled else (None,) * 3
+    controller = online_settings(spec.schedule, ctx.schedule, max_len) if spec.schedule.kind == "online" else None
     return Loop(spec, ctx, make_mesh(spec.mesh), make_optimizer(tr.learning_rate, tr.max_grad_norm), opts, *lora,
-                pool=reward_pool(ctx))
+                pool=reward_pool(ctx), controller=controller)
+
+
+def online_settings(s: ScheduleSpec, layout: SparsitySchedule, max_len: int) -> ControllerSettings:
+    """The controller's settings; its grid tops out at the dense top-k of ``max_len`` (or ``online.max_topk``)."""
+    o = s.online
+    max_topk = o.max_topk or max(-(-max_len // layout.page_size) - layout.reserved, 0)
+    return ControllerSettings(grid=topk_grid(max_topk, o.levels_per_octave, min(o.min_topk, max_topk)), tau=o.tau,
+                              margin=o.margin, up_levels=o.up_levels, down_levels=o.down_levels,
+                              min_tokens=o.min_tokens, smoothing=o.smoothing, z=o.z, patience=o.patience)
 
 
 def init_state(loop: Loop) -> LoopState:
@@ -173,8 +189,13 @@ def init_state(loop: Loop) -> LoopState:
         adapter = init_lora(params, loop.lora_cfg, jax.random.PRNGKey(spec.seed + 7))
         lora = shard_train_state(LoraState(adapter, loop.lora_optimizer.init(adapter)), mesh, config)
     topk = loop.ctx.schedule.topk if loop.ctx.schedule is not None else (0,)
+    controller = None
+    if loop.controller is not None:  # online: one top-k per train-step bin, from the start schedule
+        start = (loop.controller.grid[-1],) if spec.schedule.online.start == "dense" else topk
+        controller = init_controller(loop.controller, start, loop.opts.num_bins)
+        topk = controller_topk(loop.controller, controller)
     return LoopState(train, lora, jnp.asarray(topk, jnp.int32), jnp.asarray(False), jnp.zeros((2,), jnp.int32),
-                     jax.random.PRNGKey(spec.seed))
+                     jax.random.PRNGKey(spec.seed), controller)
 
 
 def _checkpoints(spec: RunSpec) -> CheckpointManager:
@@ -261,11 +282,37 @@ def maybe_switch(loop: Loop, state: LoopState, key) -> tuple[LoopState, dict]:
     return state, {"distill/p5_under_switch_schedule": tail["min_p5"], "distill/switched": float(bool(state.switched))}
 
 
+def steer(loop: Loop, state: LoopState, metrics: dict) -> LoopState:
+    """schedule.kind = online: this step's per-bin p5 and token counts -> the next rollout's top-k table."""
+    if state.controller is None:
+        return state
+    starts = [i * loop.opts.bin_width for i in range(loop.opts.num_bins)]
+    p5 = jnp.asarray([metrics.get(f"mismatch/alpha_p5/bin_{b}", np.nan) for b in starts], jnp.float32)  # empty: NaN
+    counts = jnp.asarray([metrics.get(f"mismatch/count/bin_{b}", 0.0) for b in starts], jnp.float32)
+    controller, topk = controller_step_jit(loop.controller, state.controller, p5, counts)
+    return state._replace(controller=controller, topk=topk)
+
+
+def schedule_metrics(schedule: Optional[SparsitySchedule], config, *, num_samples: int, prompt_len: int,
+                     gen_len: int, hardware: str) -> dict[str, float]:
+    """schedule/topk/bin_<start> of a sparse schedule and its predicted rollout cost relative to dense."""
+    out = {"schedule/predicted_cost_vs_dense": relative_rollout_cost(
+        config, schedule, num_samples=num_samples, prompt_len=prompt_len, gen_len=gen_len, hardware=hardware)}
+    for i, k in enumerate(schedule.topk if schedule is not None else ()):
+        out[f"schedule/topk/bin_{i * schedule.bin_width}"] = float(k)
+    return out
+
+
 def rl_step(loop: Loop, state: LoopState) -> tuple[LoopState, dict]:
-    """One RL step: collect -> update -> phase-2 check -> optional evaluation."""
+    """One RL step: collect -> update -> schedule control -> phase-2 check -> optional evaluation."""
     key = jax.random.fold_in(state.key, state.step)
     batch, metrics, data = collect(loop, state, key)
+    prompt_lens = np.asarray(batch.prompt_lens)
+    metrics.update(schedule_metrics(current_schedule(loop, state), loop.ctx.model_config, num_samples=len(prompt_lens),
+                                    prompt_len=int(prompt_lens.mean()), gen_len=loop.spec.rollout.max_new_tokens,
+                                    hardware=loop.spec.schedule.cost_hardware))
     state, step_metrics = update(loop, state._replace(data=data), batch)
+    state = steer(loop, state, step_metrics)
     state, switch_metrics = maybe_switch(loop, state, jax.random.fold_in(key, 2))
     metrics = {**step_metrics, **metrics, **switch_metrics}
     spec = loop.spec

@@ -35,14 +35,19 @@ def schedule_layout(s: ScheduleSpec, topk: Union[int, tuple] = 0, name: str = ""
 
 
 def build_schedule(s: ScheduleSpec, workdir: str) -> Optional[SparsitySchedule]:
-    """The schedule of ``schedule.kind`` (None for dense); ``calibrated`` reads ``<workdir>/schedule.json``."""
-    if s.kind == "dense":
-        return None
-    if s.kind == "fixed":
+    """The schedule of ``schedule.kind`` (None for dense); ``calibrated`` reads ``<workdir>/schedule.json``.
+
+    ``online``: the schedule of ``schedule.online.start``, whose layout the controller keeps; a dense
+    start gives the configured layout (the trainer sets its top-k to the grid's dense top).
+    """
+    kind = s.online.start if s.kind == "online" else s.kind
+    if kind == "dense":
+        return schedule_layout(s, 0, name="online") if s.kind == "online" else None
+    if kind == "fixed":
         return schedule_layout(s, s.topk, name=f"fixed-{s.topk}")
-    if s.kind == "preset":
+    if kind == "preset":
         return SparsitySchedule.from_preset(s.preset)
-    if s.kind == "json":
+    if kind == "json":
         return SparsitySchedule.from_json(s.path, expected_page_size=s.page_size)
     calibrated = os.path.join(workdir, "schedule.json")
     if os.path.exists(calibrated):

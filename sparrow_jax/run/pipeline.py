@@ -159,7 +159,8 @@ def run_pipeline(spec: RunSpec) -> dict:
         atomic_write_json(os.path.join(spec.workdir, "config.json"), dataclasses.asdict(spec))
     t0 = time.perf_counter()
     calibration = None
-    if spec.schedule.kind == "calibrated" and not os.path.exists(os.path.join(spec.workdir, "schedule.json")):
+    start = spec.schedule.online.start if spec.schedule.kind == "online" else spec.schedule.kind
+    if start == "calibrated" and not os.path.exists(os.path.join(spec.workdir, "schedule.json")):
         calibration = calibrate_run(spec)
     ctx = build_run_context(spec)
     result = train(spec, ctx)

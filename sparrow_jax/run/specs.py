@@ -58,8 +58,24 @@ class SamplingSpec:
 
 
 @_spec
+class OnlineScheduleSpec:  # schedule.kind = online: the per-bin p5 controller (rollout/schedule_control.py)
+    start: str  # calibrated | preset | fixed | dense
+    tau: float
+    margin: float
+    up_levels: int
+    down_levels: int
+    min_tokens: int
+    smoothing: float
+    z: float
+    patience: int
+    levels_per_octave: int
+    min_topk: int
+    max_topk: int  # 0: the dense top-k of the run's longest sequence
+
+
+@_spec
 class ScheduleSpec:
-    kind: str  # dense | fixed | preset | json | calibrated
+    kind: str  # dense | fixed | preset | json | calibrated | online
     topk: int
     preset: str
     path: str
@@ -70,6 +86,8 @@ class ScheduleSpec:
     dense_layers: tuple
     selector: str
     impl: str
+    cost_hardware: str  # cost_model.HARDWARE key of the logged predicted rollout cost
+    online: OnlineScheduleSpec
 
 
 @_spec
@@ -233,7 +251,9 @@ CHOICES = {
     "model.source": ("tiny", "hf", "warmup"),
     "model.dtype": ("float32", "bfloat16"),
     "model.param_dtype": ("float32", "bfloat16"),
-    "schedule.kind": ("dense", "fixed", "preset", "json", "calibrated"),
+    "schedule.kind": ("dense", "fixed", "preset", "json", "calibrated", "online"),
+    "schedule.online.start": ("calibrated", "preset", "fixed", "dense"),
+    "schedule.cost_hardware": ("H200", "H100", "TPU v5e", "TPU v6e", "cpu"),  # cost_model.HARDWARE (a test checks)
     "schedule.selector": ("centroid", "quest"),
     "schedule.impl": ("auto", "reference", "xla", "cpu", "pallas_tpu", "pallas_gpu", "triton"),
     "train.adv_mode": ("grpo", "drgrpo"),
@@ -246,12 +266,14 @@ POSITIVE = ("steps", "checkpoint_every", "keep_checkpoints", "eval_k", "rollout.
             "rollout.group_size", "rollout.max_new_tokens", "schedule.page_size", "schedule.bin_width",
             "train.micro_batches", "task.num_train", "task.num_eval", "mesh.data", "mesh.fsdp", "mesh.tensor",
             "distill.eval_samples", "distill.updates_per_step", "distill.rank", "calibration.num_prompts",
-            "calibration.samples_per_prompt", "calibration.validate_prompts")
+            "calibration.samples_per_prompt", "calibration.validate_prompts", "schedule.online.up_levels",
+            "schedule.online.down_levels", "schedule.online.min_tokens", "schedule.online.levels_per_octave")
 NON_NEGATIVE = ("eval_every", "rollout.temperature", "rollout.top_k", "schedule.topk", "schedule.reserved_first",
                 "schedule.reserved_last", "train.learning_rate", "train.max_grad_norm", "train.clip_low",
                 "train.clip_high", "train.dual_clip", "train.tis_cap", "train.kl_coef", "train.entropy_coef",
                 "distill.learning_rate", "distill.kl_coef", "distill.tis_cap", "distill.switch_topk",
-                "distill.switch_every", "calibration.min_count")
+                "distill.switch_every", "calibration.min_count", "schedule.online.margin", "schedule.online.z",
+                "schedule.online.min_topk", "schedule.online.max_topk")
 
 
 def _get(spec: RunSpec, dotted: str) -> Any:
@@ -295,3 +317,21 @@ def validate(spec: RunSpec) -> None:
              "DistillSparse needs sparse rollouts (schedule.kind != 'dense')")
     _require(bool(spec.distill.switch_topk) == bool(spec.distill.switch_every), "distill.switch_every",
              spec.distill.switch_every, "phase 2 needs both distill.switch_topk and distill.switch_every (or neither)")
+    _validate_online(spec)
+
+
+def _validate_online(spec: RunSpec) -> None:
+    """schedule.online.*: the ranges ControllerSettings needs, and what online excludes."""
+    s, o = spec.schedule, spec.schedule.online
+    _require(0 < o.tau < 1, "schedule.online.tau", o.tau, "must be in (0, 1)")
+    _require(o.margin < 1, "schedule.online.margin", o.margin, "must be < 1")
+    _require(0 <= o.smoothing < 1, "schedule.online.smoothing", o.smoothing, "must be in [0, 1)")
+    _require(o.patience >= 2, "schedule.online.patience", o.patience, "must be >= 2 (a noise estimate needs two steps)")
+    _require(o.max_topk == 0 or o.max_topk >= o.min_topk, "schedule.online.max_topk", o.max_topk,
+             "must be 0 (dense) or >= schedule.online.min_topk")
+    if s.kind != "online":
+        return
+    _require(o.start != "preset" or bool(s.preset), "schedule.preset", s.preset,
+             "is required when schedule.online.start='preset'")
+    _require(spec.distill.switch_topk == 0, "distill.switch_topk", spec.distill.switch_topk,
+             "must be 0 with schedule.kind='online' (the controller sets the budgets)")
