@@ -241,6 +241,7 @@ def collect(loop: Loop, state: LoopState, key) -> tuple[Batch, dict, jax.Array]:
     batch = shard_batch(Batch(*_pad_batch(rollout), adv, rollout.prompt_lens), loop.mesh)
     metrics = {"reward_mean": float(rewards.mean()), "critic/score/mean": float(rewards.mean()),
                "response_length/mean": float(rollout.completion_mask.sum(axis=1).mean()),
+               "prompt_length/mean": float(np.mean(rollout.prompt_lens)),
                "rollout/tokens_per_s": float(rollout.stats["decode_tokens"] / max(rollout.stats["decode_s"], 1e-9)),
                "timing_s/gen": time.perf_counter() - t0}
     return batch, metrics, data
@@ -307,9 +308,10 @@ def rl_step(loop: Loop, state: LoopState) -> tuple[LoopState, dict]:
     """One RL step: collect -> update -> schedule control -> phase-2 check -> optional evaluation."""
     key = jax.random.fold_in(state.key, state.step)
     batch, metrics, data = collect(loop, state, key)
-    prompt_lens = np.asarray(batch.prompt_lens)
-    metrics.update(schedule_metrics(current_schedule(loop, state), loop.ctx.model_config, num_samples=len(prompt_lens),
-                                    prompt_len=int(prompt_lens.mean()), gen_len=loop.spec.rollout.max_new_tokens,
+    r = loop.spec.rollout
+    metrics.update(schedule_metrics(current_schedule(loop, state), loop.ctx.model_config,
+                                    num_samples=r.prompts_per_step * r.group_size,
+                                    prompt_len=max(1, round(metrics["prompt_length/mean"])), gen_len=r.max_new_tokens,
                                     hardware=loop.spec.schedule.cost_hardware))
     state, step_metrics = update(loop, state._replace(data=data), batch)
     state = steer(loop, state, step_metrics)
