@@ -76,10 +76,11 @@ import numpy as np
 
 
 def topk_grid(max_topk: int, levels_per_octave: int = 4, min_topk: int = 0) -> tuple[int, ...]:
-    """Top-k values the controller may use, ascending: grid points from the first ``>= min_topk`` to the first ``>= max_topk``.
+    """Top-k values the controller may use, ascending: the grid from ``min_topk`` up to ``max_topk``.
 
     All integers up to ``2 * L``, then ``m * 2**e`` for ``m in (L, 2L]`` (``L = levels_per_octave``):
-    ``L`` points per power-of-two bucket. The last point covers ``max_topk`` (it may exceed it).
+    ``L`` points per octave. The first point is the first ``>= min_topk`` (a floor), the last the
+    first ``>= max_topk`` (it covers ``max_topk``).
     """
     for name, v, lo in (("max_topk", max_topk, 0), ("levels_per_octave", levels_per_octave, 1),
                         ("min_topk", min_topk, 0)):
