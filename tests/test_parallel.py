@@ -196,7 +196,7 @@ _CHILD = textwrap.dedent(
     from sparrow_jax.io.checkpoint import CheckpointManager
     from sparrow_jax.models import init_params, tiny_config
     from sparrow_jax.models.forward import init_caches, prefill
-    from sparrow_jax.parallel import (abstract_target, cache_spec, make_mesh, shard_batch, shard_caches,
+    from sparrow_jax.parallel import (abstract_target, cache_spec, make_mesh, mesh_context, shard_batch, shard_caches,
                                       shard_params, shard_train_state, train_state_shardings)
     from sparrow_jax.rl.train_step import Batch, StepOptions, init_train_state, train_step
     from sparrow_jax.rollout import SamplingParams, SparsitySchedule, generate
@@ -265,7 +265,8 @@ _CHILD = textwrap.dedent(
     sampling = SamplingParams(max_new_tokens=16, temperature=1.0)
     for kind, sched in (("dense", None), ("sparse", schedule)):
         a = generate(config, params0, prompts, jax.random.PRNGKey(3), sampling, schedule=sched, length_bucket=64)
-        c = generate(config, sharded, prompts, jax.random.PRNGKey(3), sampling, schedule=sched, length_bucket=64)
+        with mesh_context(mesh):  # sparse kernels (auto: the C++ CPU kernel) per device under shard_map
+            c = generate(config, sharded, prompts, jax.random.PRNGKey(3), sampling, schedule=sched, length_bucket=64)
         out["generate"][kind] = dict(tokens_equal=bool(np.array_equal(a.tokens, c.tokens)),
                                      lengths_equal=bool(np.array_equal(a.lengths, c.lengths)),
                                      new_tokens=int(a.completion_mask.sum()),

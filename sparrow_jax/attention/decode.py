@@ -22,6 +22,7 @@ import jax.numpy as jnp
 
 from sparrow_jax.attention.contract import group_query_heads, masked_softmax_attend, sparse_decode_reference
 from sparrow_jax.attention.selection import select_pages
+from sparrow_jax.parallel.kernels import shard_rows_and_heads
 
 IMPLEMENTATIONS = ("auto", "reference", "xla", "cpu", "pallas_tpu", "pallas_gpu", "triton")
 
@@ -90,15 +91,29 @@ def select_pages_decode(scores, positions, budget, k_max: int, page_size: int, r
     same slots for finite scores); otherwise :func:`select_pages`. Returns (page_idx, page_valid).
     """
     budget = jnp.broadcast_to(jnp.asarray(budget, jnp.int32), positions.shape)
-    if resolve_impl(impl) == "cpu":
+    local = functools.partial(_select_pages_local, k_max=k_max, page_size=page_size, reserved_first=reserved_first,
+                              reserved_last=reserved_last, impl=resolve_impl(impl))
+    return shard_rows_and_heads(local, scores, positions, budget, kv_heads=scores.shape[1])  # per device on a mesh
+
+
+def _select_pages_local(scores, positions, budget, *, k_max, page_size, reserved_first, reserved_last, impl):
+    if impl == "cpu":
         from sparrow_jax.attention.cpu_kernel import select_pages_cpu
         return select_pages_cpu(scores, positions, budget, k_max, page_size, reserved_first, reserved_last)
     return select_pages(scores, positions[:, None], budget[:, None], k_max, page_size, reserved_first, reserved_last)
 
 
 def sparse_decode(q, k_pages, v_pages, page_idx, page_valid, positions, scale=None, impl="auto"):
-    """Dispatch block-sparse decode attention to the chosen implementation. Returns [B, H, D]."""
-    impl = resolve_impl(impl)
+    """Dispatch block-sparse decode attention to the chosen implementation. Returns [B, H, D].
+
+    Under a mesh context the kernel runs per device on its rows and KV heads (shard_map).
+    """
+    local = functools.partial(_sparse_decode_local, scale=scale, impl=resolve_impl(impl))
+    return shard_rows_and_heads(local, q, k_pages, v_pages, page_idx, page_valid, positions,
+                                kv_heads=k_pages.shape[1])
+
+
+def _sparse_decode_local(q, k_pages, v_pages, page_idx, page_valid, positions, *, scale, impl):
     if impl == "reference":
         return sparse_decode_reference(q, k_pages, v_pages, page_idx, page_valid, positions, scale)
     if impl == "xla":  # the whole-page-row gather formulation: ~1.4x faster than sparse_decode_xla on CPU

@@ -26,7 +26,7 @@ from sparrow_jax.io.checkpoint import CheckpointManager
 from sparrow_jax.io.metrics import MetricWriter, ProgressBar
 from sparrow_jax.mismatch.calibrate import validate as validate_schedule
 from sparrow_jax.models.lora import LoraConfig, init_lora, with_lora
-from sparrow_jax.parallel import is_primary, make_mesh, shard_batch, shard_params, shard_train_state
+from sparrow_jax.parallel import is_primary, make_mesh, mesh_context, shard_batch, shard_params, shard_train_state
 from sparrow_jax.rl.advantages import group_advantages
 from sparrow_jax.rl.context import RunContext
 from sparrow_jax.rl.train_step import (Batch, DistillOptions, LoraState, StepOptions, TrainState, init_train_state,
@@ -331,7 +331,8 @@ def train(spec: RunSpec, ctx: RunContext, progress: bool = True) -> TrainResult:
     os.makedirs(spec.workdir, exist_ok=True)
     loop = make_loop(spec, ctx)
     try:
-        return _run(loop, progress)
+        with mesh_context(loop.mesh):  # sparse decode kernels split over the mesh's rows and KV heads
+            return _run(loop, progress)
     finally:
         if loop.pool is not None:
             loop.pool.close()
