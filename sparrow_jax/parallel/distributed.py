@@ -24,6 +24,7 @@ from collections.abc import Mapping
 from typing import Optional
 
 import jax
+import numpy as np
 
 ENV_ADDRESS = "JAX_COORDINATOR_ADDRESS"
 ENV_NUM_PROCESSES = "JAX_NUM_PROCESSES"
@@ -94,6 +95,16 @@ def initialize_distributed(coordinator_address: Optional[str] = None, num_proces
         return False  # one process: nothing to coordinate
     jax.distributed.initialize(**settings)
     return True
+
+
+def host_array(x: jax.Array) -> np.ndarray:
+    """A global array's full value on this host: a plain read when this process holds every
+    shard, else an explicit all-gather across processes (every process must call it)."""
+    if not isinstance(x, jax.Array) or x.is_fully_addressable:
+        return np.asarray(x)
+    from jax.experimental import multihost_utils
+
+    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
 
 
 def is_primary() -> bool:

@@ -27,6 +27,7 @@ import numpy as np
 from sparrow_jax.models.config import Qwen3Config
 from sparrow_jax.models.forward import decode_step, init_caches, prefill
 from sparrow_jax.models.qwen3 import Params
+from sparrow_jax.parallel.distributed import host_array
 from sparrow_jax.rollout.schedule import SparsitySchedule
 
 
@@ -212,8 +213,8 @@ def generate(config: Qwen3Config, params: Params, prompts: Sequence[Sequence[int
     jax.block_until_ready(state.tokens)
     decode_s = time.perf_counter() - t1
 
-    out_tokens = np.asarray(state.tokens)
-    lengths = np.asarray(state.pos) + 1
+    out_tokens = host_array(state.tokens)  # process-spanning arrays: an explicit gather
+    lengths = host_array(state.pos) + 1
     positions = np.arange(buf_len)[None]
     mask = (positions >= prompt_lens[:, None]) & (positions < lengths[:, None])
     out_tokens = np.where(positions < lengths[:, None], out_tokens, pad_id).astype(np.int32)
@@ -222,4 +223,4 @@ def generate(config: Qwen3Config, params: Params, prompts: Sequence[Sequence[int
     stats = dict(prefill_s=prefill_s, decode_s=decode_s, decode_steps=int(state.step),
                  decode_tokens=int(mask.sum()), compiles=_decode_segment._cache_size() - compiles_before)
     return Rollout(out_tokens, prompt_lens, lengths.astype(np.int32), mask,
-                   np.where(mask, np.asarray(state.logprobs), 0.0).astype(np.float32), finished, stats)
+                   np.where(mask, host_array(state.logprobs), 0.0).astype(np.float32), finished, stats)

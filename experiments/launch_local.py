@@ -1,0 +1,100 @@
+"""Start N JAX processes on this machine, wired exactly like a multi-host job (CPU devices, gloo collectives).
+
+    python -m experiments.launch_local --processes 2 --devices-per-process 4 -- \
+        --config configs/grpo_tiny.py --config.mesh.fsdp=4 --config.mesh.tensor=2
+
+Every process runs ``python -m experiments.run <arguments after -->`` with
+``JAX_COORDINATOR_ADDRESS=localhost:<port>``, ``JAX_NUM_PROCESSES=N``, ``JAX_PROCESS_ID=i``
+(``sparrow_jax.parallel.initialize_distributed`` reads them), ``--devices-per-process``
+fake CPU devices each and gloo CPU collectives, so the mesh spans N x devices devices in N
+address spaces: what a TPU pod slice or a multi-node GPU job does, on one machine. Output
+lines are prefixed ``[p<i>]``. If one process fails the others are stopped and the exit
+status is the failing one's; rerunning the same command resumes from the last checkpoint.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+from typing import Optional
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        return s.getsockname()[1]
+
+
+def process_env(base: dict, process_id: int, processes: int, devices: int, port: int) -> dict:
+    """The environment of process ``process_id``: coordinator, process count / id, CPU devices, gloo."""
+    flags = " ".join(f for f in base.get("XLA_FLAGS", "").split()
+                     if not f.startswith("--xla_force_host_platform_device_count"))
+    return dict(base, JAX_COORDINATOR_ADDRESS=f"localhost:{port}", JAX_NUM_PROCESSES=str(processes),
+                JAX_PROCESS_ID=str(process_id), JAX_PLATFORMS="cpu", JAX_CPU_COLLECTIVES_IMPLEMENTATION="gloo",
+                XLA_FLAGS=f"{flags} --xla_force_host_platform_device_count={devices}".strip())
+
+
+def _pump(stream, prefix: str) -> None:
+    for line in iter(stream.readline, ""):
+        sys.stdout.write(f"{prefix} {line}")
+        sys.stdout.flush()
+
+
+def launch(processes: int, devices: int, run_args: list[str], port: Optional[int] = None,
+           module: str = "experiments.run") -> int:
+    """Run ``python -m module run_args`` in ``processes`` coordinated processes; the first non-zero exit status."""
+    if processes < 1 or devices < 1:
+        raise ValueError(f"--processes and --devices-per-process must be >= 1, got {processes} and {devices}")
+    port = port or free_port()
+    procs, pumps = [], []
+    for i in range(processes):
+        p = subprocess.Popen([sys.executable, "-m", module, *run_args], text=True, stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, env=process_env(os.environ, i, processes, devices, port))
+        procs.append(p)
+        print(f"[launch_local] process {i}/{processes}: pid {p.pid}, {devices} CPU devices, "
+              f"coordinator localhost:{port}", flush=True)
+        pumps.append(threading.Thread(target=_pump, args=(p.stdout, f"[p{i}]"), daemon=True))
+        pumps[-1].start()
+    status = 0
+    try:
+        while any(p.poll() is None for p in procs):
+            failed = [p.returncode for p in procs if p.returncode not in (None, 0)]
+            if failed:  # a lost peer would block the others in their next collective: stop them
+                status = failed[0]
+                for p in procs:
+                    if p.poll() is None:
+                        p.send_signal(signal.SIGTERM)
+            try:
+                procs[0].wait(timeout=0.5)
+            except subprocess.TimeoutExpired:
+                pass
+    except KeyboardInterrupt:
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        raise
+    for t in pumps:
+        t.join(timeout=5)
+    return status or next((p.returncode for p in procs if p.returncode), 0)
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    own, run_args = (argv[:argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv else (argv, [])
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--processes", type=int, default=2, help="JAX processes (hosts) to start")
+    p.add_argument("--devices-per-process", type=int, default=4, help="fake CPU devices per process")
+    p.add_argument("--port", type=int, default=None, help="coordinator port (default: a free one)")
+    p.add_argument("--module", default="experiments.run", help="entry module every process runs")
+    args = p.parse_args(own)
+    if not run_args:
+        p.error("give the run's arguments after --, e.g. -- --config configs/grpo_tiny.py")
+    return launch(args.processes, args.devices_per_process, run_args, args.port, args.module)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
