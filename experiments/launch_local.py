@@ -9,7 +9,7 @@ Every process runs ``python -m experiments.run <arguments after -->`` with
 fake CPU devices each and gloo CPU collectives, so the mesh spans N x devices devices in N
 address spaces: what a TPU pod slice or a multi-node GPU job does, on one machine. Output
 lines are prefixed ``[p<i>]``. If one process fails the others are stopped and the exit
-status is the failing one's; rerunning the same command resumes from the last checkpoint.
+status is non-zero; rerunning the same command resumes from the last checkpoint.
 """
 from __future__ import annotations
 
@@ -61,7 +61,7 @@ def launch(processes: int, devices: int, run_args: list[str], port: Optional[int
         pumps[-1].start()
     status = 0
     try:
-        while any(p.poll() is None for p in procs):
+        while None in [p.poll() for p in procs]:  # a list: poll every process each round
             failed = [p.returncode for p in procs if p.returncode not in (None, 0)]
             if failed:  # a lost peer would block the others in their next collective: stop them
                 status = failed[0]

@@ -67,18 +67,19 @@ def _scaled(small: dict, bigger: dict, layers: int, depth: int) -> dict:
 def measure(model: str, settings, mesh, layers, train: bool = True) -> dict:
     """Compiled and analytic per-device bytes of the train and decode steps of one model."""
     from sparrow_jax.parallel import memory
+    from sparrow_jax.rl import memory_plan as plan
 
     shape = dict(mesh.shape)
-    depth = memory.model_config(model, settings.bf16).num_hidden_layers
+    depth = plan.model_config(model, settings.bf16).num_hidden_layers
 
     def compiled(kind: str, n: int):
-        config = memory.model_config(model, settings.bf16, n)
+        config = plan.model_config(model, settings.bf16, n)
         t0 = time.perf_counter()
         if kind == "train":
-            exe, state = memory.compile_train_step(config, settings, mesh)
+            exe, state = plan.compile_train_step(config, settings, mesh)
             parts = dict(params=memory.device_bytes(state.params), optimizer=memory.device_bytes(state.opt_state))
         else:
-            exe, params, caches = memory.compile_decode_step(config, settings, mesh)
+            exe, params, caches = plan.compile_decode_step(config, settings, mesh)
             parts = dict(params=memory.device_bytes(params), kv_cache=memory.device_bytes(caches))
         out = {**memory.compiled_bytes(exe), **parts}
         print(f"[memory_report] {model} {kind} ({n} layers) compiled in {time.perf_counter() - t0:.1f}s",
@@ -90,7 +91,7 @@ def measure(model: str, settings, mesh, layers, train: bool = True) -> dict:
             return compiled(kind, depth)
         return _scaled(compiled(kind, layers), compiled(kind, layers + 1), layers, depth)
 
-    config = memory.model_config(model, settings.bf16)
+    config = plan.model_config(model, settings.bf16)
     result = {"decode": {"compiled": at_depth("decode"), "analytic": memory.analytic_decode(config, settings, shape)}}
     if train:
         result["train"] = {"compiled": at_depth("train"), "analytic": memory.analytic_train(config, settings, shape)}
@@ -102,6 +103,7 @@ def settings_table(models: list[str], base, shape: dict[str, int], hbms: list[st
     import dataclasses
 
     from sparrow_jax.parallel import memory
+    from sparrow_jax.rl.memory_plan import model_config
 
     rows = []
     print(f"estimate per device (GB), mesh {shape}, batch {base.batch}, T = {base.seq_len}, "
@@ -111,7 +113,7 @@ def settings_table(models: list[str], base, shape: dict[str, int], hbms: list[st
         for remat in (True, False):
             for bf16 in (True, False):
                 s = dataclasses.replace(base, remat=remat, bf16=bf16)
-                config = memory.model_config(model, bf16)
+                config = model_config(model, bf16)
                 train = memory.analytic_train(config, s, shape)["total"]
                 decode = memory.analytic_decode(config, s, shape)["total"]
                 fits = {h: max(train, decode) <= memory.HBM_GB[h] * memory.GB for h in hbms}

@@ -1,4 +1,4 @@
-"""Memory planner (sparrow_jax.parallel.memory): compiled figures vs the inputs, the estimate and a measured peak."""
+"""Memory planner (sparrow_jax.parallel.memory, sparrow_jax.rl.memory_plan): compiled figures vs the inputs, the estimate and a measured peak."""
 import sys
 
 import jax
@@ -9,6 +9,7 @@ from experiments.memory_report import parse_mesh
 from sparrow_jax.models import tiny_config
 from sparrow_jax.parallel import make_mesh, memory
 from sparrow_jax.parallel.memory import PlanSettings
+from sparrow_jax.rl import memory_plan as plan
 
 # 4 rows x 2048 tokens: causal attention's f32 chunk scores make ~0.1 GB of temp, well above RSS noise
 SETTINGS = PlanSettings(batch=4, prompt_len=0, gen_len=2048, remat=False, bf16=False, page_size=8)
@@ -21,7 +22,7 @@ def mesh():
 
 @pytest.fixture(scope="module")
 def train(mesh):
-    exe, state = memory.compile_train_step(tiny_config(), SETTINGS, mesh)
+    exe, state = plan.compile_train_step(tiny_config(), SETTINGS, mesh)
     return exe, state
 
 
@@ -29,7 +30,7 @@ def test_train_step_arguments_are_the_sharded_inputs(train, mesh):
     exe, state = train
     config = tiny_config()
     c = memory.compiled_bytes(exe)
-    _, batch, _ = memory.abstract_train_inputs(config, SETTINGS, mesh)
+    _, batch, _ = plan.abstract_train_inputs(config, SETTINGS, mesh)
     params = memory.device_bytes(state.params)
     assert params == config.num_params() * 4  # float32 master weights, unsplit on one device
     assert memory.device_bytes(state.opt_state) == pytest.approx(2 * params, abs=64)  # Adam mu, nu (+ count)
@@ -42,7 +43,7 @@ def test_train_step_arguments_are_the_sharded_inputs(train, mesh):
 
 def test_decode_step_cache_bytes_match_estimate(mesh):
     config = tiny_config()
-    exe, params, caches = memory.compile_decode_step(config, SETTINGS, mesh)
+    exe, params, caches = plan.compile_decode_step(config, SETTINGS, mesh)
     est = memory.analytic_decode(config, SETTINGS, dict(data=1, fsdp=1, tensor=1))
     assert memory.device_bytes(caches) == est["kv_cache"]  # k, v float32 + f32 centroids per page
     assert memory.compiled_bytes(exe)["arguments"] >= memory.device_bytes(params) + est["kv_cache"]
@@ -52,7 +53,7 @@ def test_decode_step_cache_bytes_match_estimate(mesh):
 def test_compiled_temp_matches_measured_peak(train, mesh):
     """Run the compiled step on zeros: resident memory grows by its temp + outputs (within 15%)."""
     exe, _ = train
-    state, batch, _ = memory.abstract_train_inputs(tiny_config(), SETTINGS, mesh)
+    state, batch, _ = plan.abstract_train_inputs(tiny_config(), SETTINGS, mesh)
     zeros = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype, device=x.sharding), (state, batch))
     c = memory.compiled_bytes(exe)
     predicted = c["temp"] + c["outputs"] - c["aliased"]
@@ -63,8 +64,8 @@ def test_compiled_temp_matches_measured_peak(train, mesh):
 
 def test_bad_inputs_are_named():
     with pytest.raises(ValueError, match="unknown model 'qwen3-3b'"):
-        memory.model_config("qwen3-3b", bf16=True)
-    assert memory.model_config("Qwen3-8B", bf16=True, num_layers=2).num_hidden_layers == 2
+        plan.model_config("qwen3-3b", bf16=True)
+    assert plan.model_config("Qwen3-8B", bf16=True, num_layers=2).num_hidden_layers == 2
     assert parse_mesh("fsdp=4,tensor=2") == dict(data=1, fsdp=4, tensor=2)
     with pytest.raises(SystemExit, match="--mesh"):
         parse_mesh("fsdp=4,pipe=2")
