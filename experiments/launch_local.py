@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -44,6 +43,15 @@ def _pump(stream, prefix: str) -> None:
         sys.stdout.flush()
 
 
+def _stop(procs: list[subprocess.Popen]) -> None:
+    """SIGKILL the running processes: JAX's distributed runtime catches SIGTERM (preemption
+    notice) and would keep waiting in a collective; checkpoints commit atomically, so a kill
+    loses at most the steps since the last one."""
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+
+
 def launch(processes: int, devices: int, run_args: list[str], port: Optional[int] = None,
            module: str = "experiments.run") -> int:
     """Run ``python -m module run_args`` in ``processes`` coordinated processes; the first non-zero exit status."""
@@ -65,17 +73,13 @@ def launch(processes: int, devices: int, run_args: list[str], port: Optional[int
             failed = [p.returncode for p in procs if p.returncode not in (None, 0)]
             if failed:  # a lost peer would block the others in their next collective: stop them
                 status = failed[0]
-                for p in procs:
-                    if p.poll() is None:
-                        p.send_signal(signal.SIGTERM)
+                _stop(procs)
             try:
                 procs[0].wait(timeout=0.5)
             except subprocess.TimeoutExpired:
                 pass
     except KeyboardInterrupt:
-        for p in procs:
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
+        _stop(procs)
         raise
     for t in pumps:
         t.join(timeout=5)

@@ -19,7 +19,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 _PROBE = textwrap.dedent(
     '''
-    import json, os, sys
+    import json, os
     from sparrow_jax.parallel import initialize_distributed
     initialize_distributed()
     import jax, jax.numpy as jnp, numpy as np
@@ -27,7 +27,7 @@ _PROBE = textwrap.dedent(
     from sparrow_jax.parallel import host_array, is_primary, make_mesh, shard_batch
     jax.devices()  # both processes are up
     if os.environ.get("PROBE_FAIL") == os.environ["JAX_PROCESS_ID"]:
-        sys.exit(3)  # this process dies; the other waits in the barrier below until stopped
+        os._exit(3)  # this process dies (no clean shutdown); the other waits in the barrier below
     multihost_utils.sync_global_devices("probe_start")
     mesh = make_mesh(dict(data=1, fsdp=4, tensor=2))
     rows = np.arange(8 * 6, dtype=np.float32).reshape(8, 6)
