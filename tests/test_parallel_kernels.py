@@ -23,7 +23,9 @@ _CHILD = textwrap.dedent(
     from jax.sharding import NamedSharding, PartitionSpec as P
     from sparrow_jax.attention.decode import resolve_impl, select_pages_decode, sparse_decode
     from sparrow_jax.parallel import make_mesh
-    from sparrow_jax.parallel.kernels import rows_heads_spec
+    from sparrow_jax.models import tiny_config
+    from sparrow_jax.models.forward import init_caches
+    from sparrow_jax.parallel.kernels import place_kv_caches, rows_heads_spec
 
     assert jax.device_count() == 8, jax.devices()
     rng = np.random.RandomState(0)
@@ -73,6 +75,12 @@ _CHILD = textwrap.dedent(
             out_shard_shape=list(got[2].addressable_shards[0].data.shape),
             kernel_shapes=kernel_shapes(jaxpr.jaxpr), auto_kernel_shapes=auto,
             hlo_custom_calls=[[t, re.findall(r"\[([\d,]*)\]", ops)] for t, ops in custom])
+    caches = init_caches(tiny_config(), 8, 64, page_size=8)  # 2 KV heads, 8 pages of 8, head_dim 32
+    out["unplaced_kept"] = place_kv_caches(caches) is caches  # no mesh context: untouched
+    with jax.set_mesh(make_mesh(meshes["fsdp4_tensor2"])):
+        placed = place_kv_caches(caches)
+    out["placed_shards"] = [list(placed[0].k.addressable_shards[0].data.shape),
+                            list(placed[0].centroid.addressable_shards[0].data.shape)]
     print(json.dumps(out))
     '''
 )
@@ -125,3 +133,8 @@ def test_auto_is_the_cpu_kernel_on_a_cpu_mesh(sharded_kernels):
     assert sharded_kernels["auto"] == "cpu"
     for name in ("fsdp4_tensor2/cpu", "data2_tensor4/cpu"):  # auto: the same kernel calls on the same shards
         assert sharded_kernels[name]["auto_kernel_shapes"] == sharded_kernels[name]["kernel_shapes"]
+
+
+def test_sampler_caches_are_placed_like_the_kernels_read_them(sharded_kernels):
+    assert sharded_kernels["unplaced_kept"]
+    assert sharded_kernels["placed_shards"] == [[2, 1, 8, 8, 32], [2, 1, 8, 32]]  # rows / 4, KV heads / 2

@@ -22,7 +22,7 @@ import jax
 from jax.sharding import AbstractMesh, Mesh, PartitionSpec as P
 
 from sparrow_jax.parallel.mesh import AXES
-from sparrow_jax.parallel.sharding import logical_to_spec
+from sparrow_jax.parallel.sharding import logical_to_spec, shard_caches
 
 
 def mesh_context(mesh: Optional[Mesh]) -> contextlib.AbstractContextManager:
@@ -36,6 +36,15 @@ def kernel_mesh() -> Optional[AbstractMesh]:
     if mesh.empty or mesh.size == 1 or not set(AXES) <= set(mesh.axis_names):
         return None
     return mesh
+
+
+def place_kv_caches(caches: Any) -> Any:
+    """Paged KV caches split over rows and KV heads of the context mesh, as the sharded kernels
+    read them (left to XLA's propagation, the sampler's caches came out of prefill split over
+    heads only, every device holding all rows); unchanged without a mesh context."""
+    if kernel_mesh() is None:
+        return caches
+    return shard_caches(caches, jax.sharding.get_mesh())
 
 
 def rows_heads_spec(mesh: AbstractMesh, rows: int, kv_heads: int) -> P:

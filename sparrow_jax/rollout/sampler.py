@@ -28,6 +28,7 @@ from sparrow_jax.models.config import Qwen3Config
 from sparrow_jax.models.forward import decode_step, init_caches, prefill
 from sparrow_jax.models.qwen3 import Params
 from sparrow_jax.parallel.distributed import host_array
+from sparrow_jax.parallel.kernels import place_kv_caches
 from sparrow_jax.rollout.schedule import SparsitySchedule
 
 
@@ -180,6 +181,7 @@ def generate(config: Qwen3Config, params: Params, prompts: Sequence[Sequence[int
     caches = init_caches(config, batch, buf_len, page_size=page,
                          with_minmax=schedule is not None and schedule.selector == "quest")
     caches = prefill(config, params, jnp.asarray(tokens[:, :prefill_len]), jnp.asarray(prompt_lens - 1), caches)
+    caches = place_kv_caches(caches)  # under a mesh: rows and KV heads split, as the sparse kernels read them
     jax.block_until_ready(caches)
     prefill_s = time.perf_counter() - t0
 
