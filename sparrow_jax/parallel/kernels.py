@@ -8,7 +8,7 @@ block of rows (``("data", "fsdp")``) and KV heads (``"tensor"``) with no communi
 out ``[B, Hkv-or-H, ...]`` or ``[B]``, page selection included.
 
 The mesh comes from JAX's mesh context (``with mesh_context(mesh):`` around ``generate``;
-the trainer's rollout worker does it): the context is part of ``jax.jit``'s cache key, so a program traced
+the RL loop does it): the context is part of ``jax.jit``'s cache key, so a program traced
 without a mesh is never reused on one. With no context mesh, a one-device
 mesh, or a mesh without our axis names, the function runs unchanged.
 """
