@@ -103,6 +103,18 @@ def _select_pages_local(scores, positions, budget, *, k_max, page_size, reserved
     return select_pages(scores, positions[:, None], budget[:, None], k_max, page_size, reserved_first, reserved_last)
 
 
+def dense_decode_dispatch(q, k_pages, v_pages, positions, scale=None, impl="auto"):
+    """Dense decode on the fastest implementation for ``impl``. Returns [B, H, D].
+
+    On CPU with the C++ kernel (``auto`` or ``cpu``), the kernel's loop over every page up to
+    the query's (the like-for-like baseline of the sparse kernel); otherwise :func:`dense_decode`.
+    """
+    if resolve_impl(impl) == "cpu":
+        from sparrow_jax.attention.cpu_kernel import dense_decode_cpu
+        return dense_decode_cpu(q, k_pages, v_pages, positions, scale)
+    return dense_decode(q, k_pages, v_pages, positions, scale)
+
+
 def sparse_decode(q, k_pages, v_pages, page_idx, page_valid, positions, scale=None, impl="auto"):
     """Dispatch block-sparse decode attention to the chosen implementation. Returns [B, H, D].
 

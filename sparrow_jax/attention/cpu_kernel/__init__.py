@@ -1,7 +1,10 @@
-"""Block-sparse decode attention as an XLA:CPU FFI custom call (C++, built on first use).
+"""Decode attention as XLA:CPU FFI custom calls (C++, built on first use).
 
 ``sparse_decode_cpu`` has the contract of
-:func:`sparrow_jax.attention.contract.sparse_decode_reference`. The C++ source
+:func:`sparrow_jax.attention.contract.sparse_decode_reference`, ``dense_decode_cpu`` that of
+:func:`sparrow_jax.attention.decode.dense_decode` (the same kernel over every page: the
+like-for-like dense baseline), and ``paged_decode_cpu`` reads a shared page pool through a
+page table (the rollout engine's layout), sparse or dense. The C++ source
 (``sparse_decode_cpu.cc``) is compiled once per machine with the system C++ compiler
 against the XLA FFI headers shipped in jaxlib, into ``$SPARROW_JAX_CACHE`` (default
 ``~/.cache/sparrow_jax``), keyed by source, jaxlib version, flags and CPU. Without a
@@ -30,6 +33,8 @@ from sparrow_jax.attention.contract import check_decode_inputs
 
 TARGET = "sparrow_sparse_decode_cpu"
 SELECT_TARGET = "sparrow_select_pages_cpu"
+DENSE_TARGET = "sparrow_dense_decode_cpu"
+PAGED_TARGET = "sparrow_paged_decode_cpu"
 SOURCE = Path(__file__).with_name("sparse_decode_cpu.cc")
 FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp-simd", "-std=c++17", "-shared", "-fPIC")
 
@@ -85,11 +90,24 @@ def cpu_kernel_available() -> bool:
         library = ctypes.cdll.LoadLibrary(str(path))
         jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(library.SparrowSparseDecodeCpu), platform="cpu")
         jax.ffi.register_ffi_target(SELECT_TARGET, jax.ffi.pycapsule(library.SparrowSelectPagesCpu), platform="cpu")
+        jax.ffi.register_ffi_target(DENSE_TARGET, jax.ffi.pycapsule(library.SparrowDenseDecodeCpu), platform="cpu")
+        jax.ffi.register_ffi_target(PAGED_TARGET, jax.ffi.pycapsule(library.SparrowPagedDecodeCpu), platform="cpu")
     except Exception as exc:  # any build/load problem: warn once and keep the XLA path
         warnings.warn(f"CPU sparse decode kernel unavailable ({type(exc).__name__}: {str(exc)[:500]}); "
                       "using the XLA path")
         return False
     return True
+
+
+def _checked_query(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, scale: Optional[float]):
+    """Kernel availability and dtype checks; q as float32 rounded to the cache dtype, the scale."""
+    if not cpu_kernel_available():
+        raise RuntimeError("the CPU decode kernel is unavailable (see the warning); use impl='xla'")
+    if k_pages.dtype not in (jnp.float32, jnp.bfloat16) or v_pages.dtype != k_pages.dtype:
+        raise TypeError(f"K/V pages must both be float32 or bfloat16, got {k_pages.dtype} / {v_pages.dtype}")
+    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    # q rounded to the cache dtype first, as the reference's q.k does.
+    return q.astype(k_pages.dtype).astype(jnp.float32), np.float32(scale)
 
 
 def sparse_decode_cpu(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, page_idx: jax.Array,
@@ -100,17 +118,53 @@ def sparse_decode_cpu(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, page
     [B, Hkv, N]; positions [B]. Raises RuntimeError when the kernel is unavailable.
     """
     check_decode_inputs(q, k_pages, v_pages, page_idx, page_valid, positions)
-    if not cpu_kernel_available():
-        raise RuntimeError("the CPU sparse decode kernel is unavailable (see the warning); use impl='xla'")
-    if k_pages.dtype not in (jnp.float32, jnp.bfloat16) or v_pages.dtype != k_pages.dtype:
-        raise TypeError(f"K/V pages must both be float32 or bfloat16, got {k_pages.dtype} / {v_pages.dtype}")
-    d = q.shape[-1]
-    scale = d ** -0.5 if scale is None else float(scale)
-    # q rounded to the cache dtype first, as the reference's q.k does.
-    q32 = q.astype(k_pages.dtype).astype(jnp.float32)
+    q32, scale = _checked_query(q, k_pages, v_pages, scale)
     out = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(q.shape, jnp.float32))(
         q32, k_pages, v_pages, page_idx.astype(jnp.int32), page_valid.astype(bool), positions.astype(jnp.int32),
-        scale=np.float32(scale))
+        scale=scale)
+    return out.astype(q.dtype)
+
+
+def dense_decode_cpu(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, positions: jax.Array,
+                     scale: Optional[float] = None) -> jax.Array:
+    """Dense decode attention on CPU: the sparse kernel's loop over every page up to the query's.
+
+    Contract of :func:`sparrow_jax.attention.decode.dense_decode`: q [B, H, D]; k_pages,
+    v_pages [B, Hkv, P, S, D]; positions [B]. Returns [B, H, D] in q's dtype.
+    """
+    b, hkv = k_pages.shape[:2]
+    none = jnp.zeros((b, hkv, 0), jnp.int32)
+    check_decode_inputs(q, k_pages, v_pages, none, none.astype(bool), positions)
+    q32, scale = _checked_query(q, k_pages, v_pages, scale)
+    out = jax.ffi.ffi_call(DENSE_TARGET, jax.ShapeDtypeStruct(q.shape, jnp.float32))(
+        q32, k_pages, v_pages, positions.astype(jnp.int32), scale=scale)
+    return out.astype(q.dtype)
+
+
+def paged_decode_cpu(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, page_table: jax.Array,
+                     positions: jax.Array, page_idx: Optional[jax.Array] = None,
+                     page_valid: Optional[jax.Array] = None, scale: Optional[float] = None) -> jax.Array:
+    """Decode attention over a shared page pool. Returns [B, H, D] in q's dtype.
+
+    q [B, H, D]; k_pool, v_pool [NP, Hkv, S, D]; page_table int32 [B, W] (physical page of each
+    logical page; every entry must be in [0, NP)); positions [B]. page_idx / page_valid
+    [B, Hkv, N] select logical pages (block-sparse); None: dense over logical pages
+    0..positions // S. Equal to the per-row kernels on the pages the table gathers.
+    """
+    b, h, d = q.shape
+    if k_pool.ndim != 4 or v_pool.shape != k_pool.shape or k_pool.shape[-1] != d or h % k_pool.shape[1]:
+        raise ValueError(f"k_pool / v_pool must be [NP, Hkv, S, D={d}] with H % Hkv == 0, "
+                         f"got {k_pool.shape} / {v_pool.shape}")
+    if page_table.ndim != 2 or page_table.shape[0] != b or positions.shape != (b,):
+        raise ValueError(f"page_table must be [B={b}, W] and positions [B], got {page_table.shape} / {positions.shape}")
+    dense = page_idx is None
+    if dense:
+        page_idx = jnp.zeros((b, k_pool.shape[1], 0), jnp.int32)
+        page_valid = jnp.zeros((b, k_pool.shape[1], 0), bool)
+    q32, scale = _checked_query(q, k_pool, v_pool, scale)
+    out = jax.ffi.ffi_call(PAGED_TARGET, jax.ShapeDtypeStruct(q.shape, jnp.float32))(
+        q32, k_pool, v_pool, page_table.astype(jnp.int32), page_idx.astype(jnp.int32), page_valid.astype(bool),
+        positions.astype(jnp.int32), scale=scale, dense=np.int64(dense))
     return out.astype(q.dtype)
 
 

@@ -1,11 +1,15 @@
-// Block-sparse paged decode attention for XLA:CPU, as an XLA FFI custom call.
+// Paged decode attention for XLA:CPU (block-sparse and dense), as XLA FFI custom calls.
 //
-// Same contract as sparrow_jax.attention.decode.sparse_decode_reference:
+// SparrowSparseDecodeCpu has the contract of sparrow_jax.attention.decode.sparse_decode_reference:
 //   q [B, H, D] f32 (already rounded to the cache dtype), k_pages / v_pages [B, Hkv, P, S, D]
 //   (f32 or bf16), page_idx [B, Hkv, N] s32, page_valid [B, Hkv, N] pred, positions [B] s32,
 //   attribute scale (f32)  ->  out [B, H, D] f32.
 // Valid in-range slots are attended once each (duplicates collapse, as in the reference's
 // page mask); tokens after positions[b] are masked; a row with nothing visible gives 0.
+// SparrowDenseDecodeCpu is the same loop over every page up to the query's own (dense decode,
+// the like-for-like baseline of the sparse kernel). SparrowPagedDecodeCpu reads a shared page
+// pool [NP, Hkv, S, D] through a page table [B, W] (logical page -> physical page), sparse or
+// dense: the layout of the continuous-batching rollout engine.
 //
 // Why a custom call: XLA:CPU gathers the selected pages into a temporary and then runs
 // several fusions over it, so each selected byte is moved about three times and the
@@ -53,7 +57,18 @@ inline float ToFloat(uint16_t bf16) {
 }
 
 struct Shape {
-  int64_t batch, heads, kv_heads, pages, page_size, dim, slots;
+  int64_t batch, heads, kv_heads, pages, page_size, dim, slots;  // pages: logical pages per row
+};
+
+// Where logical page ``page`` of (row, KV head) starts, in elements from the K / V base.
+// Without a table: the per-row layout [B, Hkv, P, S, D]. With one: a pool [NP, Hkv, S, D].
+struct Layout {
+  const int32_t* table = nullptr;  // [B, pages] physical page of each logical page, or identity
+  int64_t Offset(const Shape& s, int64_t row, int64_t kv_head, int64_t page) const {
+    const int64_t page_elems = s.page_size * s.dim;
+    if (table == nullptr) return ((row * s.kv_heads + kv_head) * s.pages + page) * page_elems;
+    return (static_cast<int64_t>(table[row * s.pages + page]) * s.kv_heads + kv_head) * page_elems;
+  }
 };
 
 // One page of one (row, KV head): scores of the G query heads, online-softmax update of their
@@ -119,21 +134,27 @@ inline void AttendPage(const KV* kp, const KV* vp, const KV* k_ahead, const KV* 
   }
 }
 
-// One (row, KV head): the G query heads of the group over the selected pages.
+// One (row, KV head): the G query heads of the group over the selected pages (page_idx
+// nullptr: dense, every page up to the query's own).
 template <typename KV>
-void AttendGroup(const Shape& s, int64_t row, int64_t kv_head, const float* q, const KV* k, const KV* v,
-                 const int32_t* page_idx, const bool* page_valid, const int32_t* positions, float scale,
-                 float* out, std::vector<int32_t>& pages, std::vector<float>& work) {
+void AttendGroup(const Shape& s, const Layout& layout, int64_t row, int64_t kv_head, const float* q, const KV* k,
+                 const KV* v, const int32_t* page_idx, const bool* page_valid, const int32_t* positions,
+                 float scale, float* out, std::vector<int32_t>& pages, std::vector<float>& work) {
   const int64_t groups = s.heads / s.kv_heads, d = s.dim, ps = s.page_size;
   const int64_t pair = row * s.kv_heads + kv_head;
-  const int32_t* idx = page_idx + pair * s.slots;
-  const bool* ok = page_valid + pair * s.slots;
   pages.clear();
-  for (int64_t i = 0; i < s.slots; ++i) {
-    if (ok[i] && idx[i] >= 0 && idx[i] < s.pages) pages.push_back(idx[i]);
+  if (page_idx == nullptr) {
+    const int64_t last = std::min<int64_t>(positions[row] / ps, s.pages - 1);
+    for (int64_t p = 0; p <= last; ++p) pages.push_back(static_cast<int32_t>(p));
+  } else {
+    const int32_t* idx = page_idx + pair * s.slots;
+    const bool* ok = page_valid + pair * s.slots;
+    for (int64_t i = 0; i < s.slots; ++i) {
+      if (ok[i] && idx[i] >= 0 && idx[i] < s.pages) pages.push_back(idx[i]);
+    }
+    std::sort(pages.begin(), pages.end());  // front-to-back reads; duplicates become adjacent
+    pages.erase(std::unique(pages.begin(), pages.end()), pages.end());
   }
-  std::sort(pages.begin(), pages.end());  // front-to-back reads; duplicates become adjacent
-  pages.erase(std::unique(pages.begin(), pages.end()), pages.end());
 
   // work: q group [G, D] (scaled) | acc [G, D] | scores [G, S] | m [G] | l [G]
   work.assign(groups * (2 * d + ps + 2), 0.0f);
@@ -147,21 +168,20 @@ void AttendGroup(const Shape& s, int64_t row, int64_t kv_head, const float* q, c
   for (int64_t g = 0; g < groups; ++g) m[g] = kNegLarge;
 
   const int64_t position = positions[row];
-  const int64_t page_elems = ps * d;
-  const KV* k_head = k + pair * s.pages * page_elems;
-  const KV* v_head = v + pair * s.pages * page_elems;
   for (size_t i = 0; i < pages.size(); ++i) {
     // Selected pages are scattered 4 KiB blocks: the hardware prefetchers only start within a
     // page, so each token row of this page also requests the same row of a page further on
     // (spread over the page's work: a burst of 128 requests would overflow the miss queue).
     const bool ahead = i + kPrefetchPages < pages.size();
-    const KV* k_ahead = ahead ? k_head + pages[i + kPrefetchPages] * page_elems : nullptr;
-    const KV* v_ahead = ahead ? v_head + pages[i + kPrefetchPages] * page_elems : nullptr;
+    const int64_t ahead_at = ahead ? layout.Offset(s, row, kv_head, pages[i + kPrefetchPages]) : 0;
+    const KV* k_ahead = ahead ? k + ahead_at : nullptr;
+    const KV* v_ahead = ahead ? v + ahead_at : nullptr;
     const int32_t page = pages[i];
     const int64_t visible = std::min<int64_t>(ps, position - static_cast<int64_t>(page) * ps + 1);
     if (visible <= 0) continue;  // the whole page is after the query
-    const KV* kp = k_head + page * page_elems;
-    const KV* vp = v_head + page * page_elems;
+    const int64_t at = layout.Offset(s, row, kv_head, page);
+    const KV* kp = k + at;
+    const KV* vp = v + at;
     switch (d) {  // head_dim known at compile time for the common sizes: fully unrolled rows
       case 64: AttendPage<64>(kp, vp, k_ahead, v_ahead, visible, groups, ps, qs, acc, score, m, l); break;
       case 128: AttendPage<128>(kp, vp, k_ahead, v_ahead, visible, groups, ps, qs, acc, score, m, l); break;
@@ -205,14 +225,37 @@ void ParallelFor(ffi::ThreadPool& pool, int64_t n, Fn fn) {
 }
 
 template <typename KV>
-void Run(ffi::ThreadPool& pool, const Shape& s, const float* q, const KV* k, const KV* v, const int32_t* idx,
-         const bool* valid, const int32_t* positions, float scale, float* out) {
+void Run(ffi::ThreadPool& pool, const Shape& s, const Layout& layout, const float* q, const KV* k, const KV* v,
+         const int32_t* idx, const bool* valid, const int32_t* positions, float scale, float* out) {
   ParallelFor(pool, s.batch * s.kv_heads, [=](int64_t pair) {
     thread_local std::vector<int32_t> pages;
     thread_local std::vector<float> work;
-    AttendGroup(s, pair / s.kv_heads, pair % s.kv_heads, q, k, v, idx, valid, positions, scale, out, pages,
-                work);
+    AttendGroup(s, layout, pair / s.kv_heads, pair % s.kv_heads, q, k, v, idx, valid, positions, scale, out,
+                pages, work);
   });
+}
+
+// Dtype dispatch shared by the three handlers; idx / valid nullptr: dense.
+ffi::Error Dispatch(ffi::ThreadPool& pool, const Shape& s, const Layout& layout, ffi::Buffer<ffi::F32>& q,
+                    ffi::AnyBuffer& k, ffi::AnyBuffer& v, const int32_t* idx, const bool* valid,
+                    ffi::Buffer<ffi::S32>& positions, float scale, ffi::ResultBuffer<ffi::F32>& out) {
+  if (k.element_type() != v.element_type()) {
+    return ffi::Error::InvalidArgument("decode_cpu: K and V pages dtypes differ");
+  }
+  switch (k.element_type()) {
+    case ffi::F32:
+      Run(pool, s, layout, q.typed_data(), reinterpret_cast<const float*>(k.untyped_data()),
+          reinterpret_cast<const float*>(v.untyped_data()), idx, valid, positions.typed_data(), scale,
+          out->typed_data());
+      return ffi::Error::Success();
+    case ffi::BF16:
+      Run(pool, s, layout, q.typed_data(), reinterpret_cast<const uint16_t*>(k.untyped_data()),
+          reinterpret_cast<const uint16_t*>(v.untyped_data()), idx, valid, positions.typed_data(), scale,
+          out->typed_data());
+      return ffi::Error::Success();
+    default:
+      return ffi::Error::InvalidArgument("decode_cpu: K/V pages must be float32 or bfloat16");
+  }
 }
 
 ffi::Error SparseDecodeImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k_pages,
@@ -226,24 +269,47 @@ ffi::Error SparseDecodeImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::
     return ffi::Error::InvalidArgument("sparse_decode_cpu: expected q [B,H,D], pages [B,Hkv,P,S,D], idx [B,Hkv,N]");
   }
   Shape s{kd[0], qd[1], kd[1], kd[2], kd[3], kd[4], nd[2]};
-  if (k_pages.element_type() != v_pages.element_type()) {
-    return ffi::Error::InvalidArgument("sparse_decode_cpu: k_pages and v_pages dtypes differ");
-  }
   const bool* valid = reinterpret_cast<const bool*>(page_valid.typed_data());
-  switch (k_pages.element_type()) {
-    case ffi::F32:
-      Run(pool, s, q.typed_data(), reinterpret_cast<const float*>(k_pages.untyped_data()),
-          reinterpret_cast<const float*>(v_pages.untyped_data()), page_idx.typed_data(), valid,
-          positions.typed_data(), scale, out->typed_data());
-      return ffi::Error::Success();
-    case ffi::BF16:
-      Run(pool, s, q.typed_data(), reinterpret_cast<const uint16_t*>(k_pages.untyped_data()),
-          reinterpret_cast<const uint16_t*>(v_pages.untyped_data()), page_idx.typed_data(), valid,
-          positions.typed_data(), scale, out->typed_data());
-      return ffi::Error::Success();
-    default:
-      return ffi::Error::InvalidArgument("sparse_decode_cpu: K/V pages must be float32 or bfloat16");
+  return Dispatch(pool, s, Layout{}, q, k_pages, v_pages, page_idx.typed_data(), valid, positions, scale, out);
+}
+
+ffi::Error DenseDecodeImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k_pages,
+                           ffi::AnyBuffer v_pages, ffi::Buffer<ffi::S32> positions, float scale,
+                           ffi::ResultBuffer<ffi::F32> out) {
+  auto kd = k_pages.dimensions();
+  auto qd = q.dimensions();
+  if (kd.size() != 5 || qd.size() != 3) {
+    return ffi::Error::InvalidArgument("dense_decode_cpu: expected q [B,H,D], pages [B,Hkv,P,S,D]");
   }
+  Shape s{kd[0], qd[1], kd[1], kd[2], kd[3], kd[4], 0};
+  return Dispatch(pool, s, Layout{}, q, k_pages, v_pages, nullptr, nullptr, positions, scale, out);
+}
+
+// Pool layout: k_pool / v_pool [NP, Hkv, S, D], page_table [B, W] s32; page_idx [B, Hkv, N]
+// logical pages (N = 0 with dense = 1: every logical page up to the query's own).
+ffi::Error PagedDecodeImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k_pool,
+                           ffi::AnyBuffer v_pool, ffi::Buffer<ffi::S32> page_table, ffi::Buffer<ffi::S32> page_idx,
+                           ffi::Buffer<ffi::PRED> page_valid, ffi::Buffer<ffi::S32> positions, float scale,
+                           int64_t dense, ffi::ResultBuffer<ffi::F32> out) {
+  auto kd = k_pool.dimensions();
+  auto qd = q.dimensions();
+  auto td = page_table.dimensions();
+  auto nd = page_idx.dimensions();
+  if (kd.size() != 4 || qd.size() != 3 || td.size() != 2 || nd.size() != 3 || td[0] != qd[0]) {
+    return ffi::Error::InvalidArgument(
+        "paged_decode_cpu: expected q [B,H,D], pool [NP,Hkv,S,D], table [B,W], idx [B,Hkv,N]");
+  }
+  const int32_t* table = page_table.typed_data();
+  for (int64_t i = 0; i < td[0] * td[1]; ++i) {  // a bad table entry would read outside the pool
+    if (table[i] < 0 || table[i] >= kd[0]) {
+      return ffi::Error::InvalidArgument("paged_decode_cpu: page table entry outside the pool");
+    }
+  }
+  Shape s{qd[0], qd[1], kd[1], td[1], kd[2], kd[3], nd[2]};
+  Layout layout{table};
+  if (dense) return Dispatch(pool, s, layout, q, k_pool, v_pool, nullptr, nullptr, positions, scale, out);
+  const bool* valid = reinterpret_cast<const bool*>(page_valid.typed_data());
+  return Dispatch(pool, s, layout, q, k_pool, v_pool, page_idx.typed_data(), valid, positions, scale, out);
 }
 
 // Block top-k page selection of one (row, KV head), the same pages in the same slot order as
@@ -319,6 +385,30 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(SparrowSparseDecodeCpu, SparseDecodeImpl,
                                   .Arg<ffi::Buffer<ffi::PRED>>()   // page_valid
                                   .Arg<ffi::Buffer<ffi::S32>>()    // positions
                                   .Attr<float>("scale")
+                                  .Ret<ffi::Buffer<ffi::F32>>());  // out
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(SparrowDenseDecodeCpu, DenseDecodeImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()    // q
+                                  .Arg<ffi::AnyBuffer>()           // k_pages
+                                  .Arg<ffi::AnyBuffer>()           // v_pages
+                                  .Arg<ffi::Buffer<ffi::S32>>()    // positions
+                                  .Attr<float>("scale")
+                                  .Ret<ffi::Buffer<ffi::F32>>());  // out
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(SparrowPagedDecodeCpu, PagedDecodeImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()    // q
+                                  .Arg<ffi::AnyBuffer>()           // k_pool
+                                  .Arg<ffi::AnyBuffer>()           // v_pool
+                                  .Arg<ffi::Buffer<ffi::S32>>()    // page_table
+                                  .Arg<ffi::Buffer<ffi::S32>>()    // page_idx
+                                  .Arg<ffi::Buffer<ffi::PRED>>()   // page_valid
+                                  .Arg<ffi::Buffer<ffi::S32>>()    // positions
+                                  .Attr<float>("scale")
+                                  .Attr<int64_t>("dense")
                                   .Ret<ffi::Buffer<ffi::F32>>());  // out
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(SparrowSelectPagesCpu, SelectPagesImpl,
