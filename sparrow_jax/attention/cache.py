@@ -99,27 +99,38 @@ def write_prefill(cache: PagedKVCache, k: jax.Array, v: jax.Array, lengths: jax.
         kmax=upd(cache.kmax, kmax) if with_minmax else None)
 
 
+def running_page_metadata(old_centroid: jax.Array, old_min: Optional[jax.Array], old_max: Optional[jax.Array],
+                          kf: jax.Array, slot: jax.Array):
+    """Page metadata after adding key ``kf`` [B, Hkv, D] float32 at in-page ``slot`` [B].
+
+    The centroid is a running mean: c <- c + (k - c) / n with n the tokens now in the page;
+    slot 0 starts the page afresh. Returns (centroid, kmin, kmax) (the last two None when
+    ``old_min`` is None).
+    """
+    first = (slot == 0)[:, None, None]
+    n = (slot + 1).astype(jnp.float32)[:, None, None]
+    centroid = jnp.where(first, kf, old_centroid + (kf - old_centroid) / n)
+    if old_min is None:
+        return centroid, None, None
+    return (centroid, jnp.where(first, kf, jnp.minimum(old_min, kf)),
+            jnp.where(first, kf, jnp.maximum(old_max, kf)))
+
+
 def append_token(cache: PagedKVCache, k: jax.Array, v: jax.Array, positions: jax.Array) -> PagedKVCache:
     """Write one token per row at ``positions`` and update that page's metadata incrementally.
 
     k, v: [B, Hkv, D]; positions: [B] int32 absolute position of the token (< capacity).
-    The centroid is a running mean: c <- c + (k - c) / n with n the tokens now in the page.
     """
     page_size = cache.page_size
     rows = jnp.arange(k.shape[0])
     page, slot = positions // page_size, positions % page_size
-    first = (slot == 0)[:, None, None]
-    kf = k.astype(jnp.float32)
-    old_c = cache.centroid[rows, :, page]  # [B, Hkv, D]
-    n = (slot + 1).astype(jnp.float32)[:, None, None]
-    new_c = jnp.where(first, kf, old_c + (kf - old_c) / n)
+    old = lambda meta: None if meta is None else meta[rows, :, page]  # [B, Hkv, D]
+    centroid, kmin, kmax = running_page_metadata(old(cache.centroid), old(cache.kmin), old(cache.kmax),
+                                                 k.astype(jnp.float32), slot)
     out = PagedKVCache(
         k=cache.k.at[rows, :, page, slot].set(k.astype(cache.k.dtype)),
         v=cache.v.at[rows, :, page, slot].set(v.astype(cache.v.dtype)),
-        centroid=cache.centroid.at[rows, :, page].set(new_c))
+        centroid=cache.centroid.at[rows, :, page].set(centroid))
     if cache.kmin is None:
         return out
-    new_min = jnp.where(first, kf, jnp.minimum(cache.kmin[rows, :, page], kf))
-    new_max = jnp.where(first, kf, jnp.maximum(cache.kmax[rows, :, page], kf))
-    return out._replace(kmin=cache.kmin.at[rows, :, page].set(new_min),
-                        kmax=cache.kmax.at[rows, :, page].set(new_max))
+    return out._replace(kmin=cache.kmin.at[rows, :, page].set(kmin), kmax=cache.kmax.at[rows, :, page].set(kmax))

@@ -70,12 +70,33 @@ class _LoopState(NamedTuple):
     logprobs: jax.Array
     pos: jax.Array  # [B] position of the token fed at the next step
     done: jax.Array  # [B]
-    key: jax.Array
+    key: jax.Array  # [B] one key per row (request_keys)
     caches: tuple
+
+
+def request_keys(key: jax.Array, num_requests: int) -> jax.Array:
+    """One PRNG key per request, ``fold_in(key, index)``: a request's draws do not depend on
+    which other requests share its batch (the fixed sampler and the rollout engine agree)."""
+    return jax.vmap(lambda i: jax.random.fold_in(key, i))(jnp.arange(num_requests))
+
+
+def token_keys(keys: jax.Array, generated: jax.Array) -> jax.Array:
+    """The key of each row's next draw: its request key folded with its count of generated tokens."""
+    return jax.vmap(jax.random.fold_in)(keys, generated)
+
+
+def _categorical(key: jax.Array, logits: jax.Array) -> jax.Array:
+    """jax.random.categorical over [B, V], with one key for the batch or one key per row."""
+    per_row = key.ndim == (1 if jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key) else 2)
+    if per_row:
+        return jax.vmap(lambda k, l: jax.random.categorical(k, l))(key, logits)
+    return jax.random.categorical(key, logits, axis=-1)
 
 
 def sample_logits(logits: jax.Array, key: jax.Array, sampling: SamplingParams):
     """Draw one token per row. logits float32 [B, V] -> (tokens int32 [B], logprobs float32 [B]).
+
+    ``key``: one key for the batch, or one per row ([B] keys, e.g. from :func:`token_keys`).
 
     The returned log-prob is that of the distribution actually sampled from: logits
     divided by the temperature, then restricted to the top-k tokens and the top-p nucleus
@@ -99,7 +120,7 @@ def sample_logits(logits: jax.Array, key: jax.Array, sampling: SamplingParams):
         keep = jnp.zeros_like(keep_sorted).at[jnp.arange(scaled.shape[0])[:, None], order].set(keep_sorted)
         scaled = jnp.where(keep, scaled, -jnp.inf)
     logp = jax.nn.log_softmax(scaled, axis=-1)
-    tok = jax.random.categorical(key, scaled, axis=-1)
+    tok = _categorical(key, scaled)
     return tok.astype(jnp.int32), jnp.take_along_axis(logp, tok[:, None], -1)[:, 0]
 
 
@@ -119,10 +140,9 @@ def _decode_segment(state: _LoopState, params: Params, step_limit: jax.Array, ma
         return (s.step < step_limit) & ~jnp.all(s.done)
 
     def body(s: _LoopState):
-        if sampling.temperature == 0.0:  # greedy draws no randomness: skip the threefry split
-            key = sub = s.key
-        else:
-            key, sub = jax.random.split(s.key)
+        # Greedy draws no randomness: skip the threefry fold. Every live row has generated
+        # ``step`` tokens, so its draw key matches the engine's (request key, tokens so far).
+        sub = s.key if sampling.temperature == 0.0 else token_keys(s.key, jnp.broadcast_to(s.step, rows.shape))
         inputs = s.tokens[rows, s.pos]
         logits, caches = decode_step(config, params, inputs, s.pos, s.caches, schedule=schedule,
                                      k_max=k_max, impl=impl)
@@ -134,7 +154,7 @@ def _decode_segment(state: _LoopState, params: Params, step_limit: jax.Array, ma
         stopped = jnp.any(tok[:, None] == stop_ids[None, :], axis=-1)
         done = s.done | (write & (stopped | (nxt >= end_pos) | (nxt >= max_pos)))
         pos = jnp.where(write, nxt, s.pos)
-        return _LoopState(s.step + 1, tokens, logprobs, pos, done, key, caches)
+        return _LoopState(s.step + 1, tokens, logprobs, pos, done, s.key, caches)
 
     return jax.lax.while_loop(cond, body, state)
 
@@ -188,8 +208,7 @@ def generate(config: Qwen3Config, params: Params, prompts: Sequence[Sequence[int
     start = prompt_lens - 1
     state = _LoopState(step=jnp.zeros((), jnp.int32), tokens=jnp.asarray(tokens),
                        logprobs=jnp.zeros((batch, buf_len), jnp.float32), pos=jnp.asarray(start),
-                       done=jnp.zeros((batch,), bool), key=jnp.array(key, copy=True),  # the loop state is donated
-                       caches=caches)
+                       done=jnp.zeros((batch,), bool), key=request_keys(key, batch), caches=caches)
     end_pos = jnp.asarray(np.minimum(prompt_lens + sampling.max_new_tokens - 1, cap - 1), jnp.int32)
     if schedule is None:
         segments = [(0, sampling.max_new_tokens, 0)]

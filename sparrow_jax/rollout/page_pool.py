@@ -1,0 +1,180 @@
+"""A shared KV page pool with a page table: memory follows the tokens, prompts are shared.
+
+Device side (one :class:`PoolLayer` per layer): pages of every row live in one pool
+``k, v [NP, Hkv, S, D]`` with metadata ``centroid / kmin / kmax [NP, Hkv, D]``; a row sees its
+pages through a page table ``[B, W]`` (logical page -> physical page). Physical page 0 is a
+scratch page: idle slots and unused table entries point at it, so their writes land nowhere
+that matters. Full prompt pages are shared by the rows sampling the same prompt (refcounts);
+the page a row appends to is always its own.
+
+Host side, :class:`PageAllocator` hands out physical pages (free list + refcounts) and
+records the peak number in use.
+"""
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple, Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from sparrow_jax.attention.cache import PagedKVCache, running_page_metadata
+from sparrow_jax.attention.decode import dense_decode, resolve_impl, select_pages_decode, sparse_decode
+from sparrow_jax.attention.selection import group_mean_query, score_pages
+
+SCRATCH_PAGE = 0
+
+
+class PoolLayer(NamedTuple):
+    k: jax.Array  # [NP, Hkv, S, D]
+    v: jax.Array  # [NP, Hkv, S, D]
+    centroid: jax.Array  # [NP, Hkv, D] float32
+    kmin: Optional[jax.Array] = None  # [NP, Hkv, D] float32, Quest selector only
+    kmax: Optional[jax.Array] = None
+
+
+def init_pool(num_layers: int, num_pages: int, num_kv_heads: int, page_size: int, head_dim: int, dtype,
+              with_minmax: bool) -> tuple[PoolLayer, ...]:
+    """Empty pools of ``num_pages`` pages per layer (page 0 is the scratch page)."""
+    kv = (num_pages, num_kv_heads, page_size, head_dim)
+    meta = (num_pages, num_kv_heads, head_dim)
+    return tuple(PoolLayer(jnp.zeros(kv, dtype), jnp.zeros(kv, dtype), jnp.zeros(meta, jnp.float32),
+                           jnp.full(meta, jnp.inf, jnp.float32) if with_minmax else None,
+                           jnp.full(meta, -jnp.inf, jnp.float32) if with_minmax else None)
+                 for _ in range(num_layers))
+
+
+def pool_bytes(pools: Sequence[PoolLayer], pages: Optional[int] = None) -> int:
+    """Bytes held by the pools, or by ``pages`` of their pages."""
+    total = sum(x.nbytes for layer in pools for x in layer if x is not None)
+    return total if pages is None else total * pages // pools[0].k.shape[0]
+
+
+@functools.partial(jax.jit, static_argnames=("num_pages",), donate_argnums=(0,))
+def grow_pool(pools: tuple[PoolLayer, ...], num_pages: int) -> tuple[PoolLayer, ...]:
+    """The same pools with room for ``num_pages`` pages (new pages empty)."""
+    def grow(x, fill):
+        pad = [(0, num_pages - x.shape[0])] + [(0, 0)] * (x.ndim - 1)
+        return jnp.pad(x, pad, constant_values=fill)
+
+    return tuple(PoolLayer(grow(p.k, 0), grow(p.v, 0), grow(p.centroid, 0),
+                           None if p.kmin is None else grow(p.kmin, jnp.inf),
+                           None if p.kmax is None else grow(p.kmax, -jnp.inf)) for p in pools)
+
+
+@functools.partial(jax.jit, donate_argnums=(0,))
+def store_prefill(pools: tuple[PoolLayer, ...], caches: Sequence[PagedKVCache], dest: jax.Array):
+    """Copy the pages of a one-row prefill cache ([1, Hkv, P, S, D]) to physical pages ``dest`` [P].
+
+    Pages not to be kept go to the scratch page.
+    """
+    out = []
+    for pool, cache in zip(pools, caches):
+        put = lambda dst, src: dst.at[dest].set(jnp.swapaxes(src[0], 0, 1).astype(dst.dtype))
+        out.append(PoolLayer(put(pool.k, cache.k), put(pool.v, cache.v), put(pool.centroid, cache.centroid),
+                             None if pool.kmin is None else put(pool.kmin, cache.kmin),
+                             None if pool.kmax is None else put(pool.kmax, cache.kmax)))
+    return tuple(out)
+
+
+@functools.partial(jax.jit, donate_argnums=(0,))
+def copy_pages(pools: tuple[PoolLayer, ...], src: jax.Array, dst: jax.Array) -> tuple[PoolLayer, ...]:
+    """Copy physical pages ``src`` [N] (K, V and metadata) onto ``dst`` [N]; pad with scratch -> scratch."""
+    return tuple(PoolLayer(*(None if x is None else x.at[dst].set(x[src]) for x in pool)) for pool in pools)
+
+
+def append_to_pool(pool: PoolLayer, page_table: jax.Array, k: jax.Array, v: jax.Array,
+                   positions: jax.Array) -> PoolLayer:
+    """Write one token per row (k, v [B, Hkv, D]) at ``positions`` [B] through the page table [B, W]."""
+    page_size = pool.k.shape[2]
+    rows = jnp.arange(k.shape[0])
+    phys = page_table[rows, positions // page_size]
+    slot = positions % page_size
+    old = lambda meta: None if meta is None else meta[phys]
+    centroid, kmin, kmax = running_page_metadata(old(pool.centroid), old(pool.kmin), old(pool.kmax),
+                                                 k.astype(jnp.float32), slot)
+    out = PoolLayer(pool.k.at[phys, :, slot].set(k.astype(pool.k.dtype)),
+                    pool.v.at[phys, :, slot].set(v.astype(pool.v.dtype)),
+                    pool.centroid.at[phys].set(centroid))
+    if pool.kmin is None:
+        return out
+    return out._replace(kmin=pool.kmin.at[phys].set(kmin), kmax=pool.kmax.at[phys].set(kmax))
+
+
+def _row_view(x: jax.Array, page_table: jax.Array) -> jax.Array:
+    """Pool array [NP, Hkv, ...] -> per-row layout [B, Hkv, W, ...] through the page table."""
+    return jnp.moveaxis(x[page_table], 2, 1)
+
+
+def paged_decode(q: jax.Array, pool: PoolLayer, page_table: jax.Array, positions: jax.Array, schedule=None,
+                 budget: Optional[jax.Array] = None, k_max: int = 0, impl: str = "auto") -> jax.Array:
+    """Decode attention of q [B, H, D] over the rows' pages in the pool. Returns [B, H, D].
+
+    ``schedule=None``: dense. Otherwise the sparse decode step of
+    :func:`sparrow_jax.models.forward.decode_step` (score, select ``min(budget, k_max)`` pages,
+    attend) on the logical pages the table maps. With the CPU kernel the pool is read in place;
+    other implementations run on a per-row view gathered through the table.
+    """
+    cpu = resolve_impl(impl) == "cpu"
+    if cpu:
+        from sparrow_jax.attention.cpu_kernel import paged_decode_cpu
+    if schedule is None:
+        if cpu:
+            return paged_decode_cpu(q, pool.k, pool.v, page_table, positions)
+        return dense_decode(q, _row_view(pool.k, page_table), _row_view(pool.v, page_table), positions)
+    meta = lambda x: None if x is None else _row_view(x, page_table)  # [B, Hkv, W, D]
+    scores = score_pages(group_mean_query(q, pool.k.shape[1]), meta(pool.centroid), meta(pool.kmin),
+                         meta(pool.kmax), schedule.selector)
+    idx, valid = select_pages_decode(scores, positions, budget, k_max, schedule.page_size,
+                                     schedule.reserved_first, schedule.reserved_last, impl=impl)
+    if cpu:
+        return paged_decode_cpu(q, pool.k, pool.v, page_table, positions, idx, valid)
+    return sparse_decode(q, _row_view(pool.k, page_table), _row_view(pool.v, page_table), idx, valid, positions,
+                         impl=impl)
+
+
+class PageAllocator:
+    """Physical pages of a pool: a free list, refcounts, and the peak number in use.
+
+    Page 0 (scratch) is never handed out. ``grow`` adds pages at the end (the device pool is
+    padded to match by the caller).
+    """
+
+    def __init__(self, num_pages: int):
+        if num_pages < 2:
+            raise ValueError(f"a page pool needs at least 2 pages (one is scratch), got {num_pages}")
+        self.num_pages = num_pages
+        self.refs = np.zeros(num_pages, np.int32)
+        self.free: list[int] = list(range(num_pages - 1, SCRATCH_PAGE, -1))  # pop() hands out low pages first
+        self.peak = 0
+
+    @property
+    def in_use(self) -> int:
+        return self.num_pages - 1 - len(self.free)
+
+    def grow(self, num_pages: int) -> None:
+        self.free = list(range(num_pages - 1, self.num_pages - 1, -1)) + self.free
+        self.refs = np.concatenate([self.refs, np.zeros(num_pages - self.num_pages, np.int32)])
+        self.num_pages = num_pages
+
+    def alloc(self, n: int) -> list[int]:
+        """``n`` fresh pages (refcount 1). Raises MemoryError if fewer are free (the caller grows first)."""
+        if n > len(self.free):
+            raise MemoryError(f"page pool exhausted: {n} pages wanted, {len(self.free)} free")
+        pages = [self.free.pop() for _ in range(n)]
+        self.refs[pages] = 1
+        self.peak = max(self.peak, self.in_use)
+        return pages
+
+    def share(self, pages: Sequence[int]) -> None:
+        for p in pages:
+            self.refs[p] += 1
+
+    def release(self, pages: Sequence[int]) -> None:
+        for p in pages:
+            if p == SCRATCH_PAGE or self.refs[p] <= 0:
+                raise ValueError(f"release of page {p}, which is not allocated")
+            self.refs[p] -= 1
+            if self.refs[p] == 0:
+                self.free.append(p)
