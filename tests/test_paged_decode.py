@@ -1,0 +1,68 @@
+"""Dense CPU kernel and page-pool decode: equal to the reference decode on the same tokens."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from attention_refs import brute_force_sparse_decode
+
+from sparrow_jax.attention import dense_decode, dense_decode_dispatch, select_pages
+from sparrow_jax.attention.cpu_kernel import cpu_kernel_available, dense_decode_cpu, paged_decode_cpu
+from sparrow_jax.rollout import SparsitySchedule
+from sparrow_jax.rollout.page_pool import PoolLayer, paged_decode
+
+B, H, HKV, P, S, D = 3, 4, 2, 6, 4, 16
+needs_kernel = pytest.mark.skipif(not cpu_kernel_available(), reason="no C++ compiler: CPU kernel off")
+
+
+@pytest.fixture(scope="module")
+def cache():
+    keys = jax.random.split(jax.random.PRNGKey(0), 3)
+    k = jax.random.normal(keys[0], (B, HKV, P, S, D), jnp.float32)
+    v = jax.random.normal(keys[1], (B, HKV, P, S, D), jnp.float32)
+    q = jax.random.normal(keys[2], (B, H, D), jnp.float32)
+    positions = jnp.array([0, 9, P * S - 1], jnp.int32)  # first token, mid page, last token
+    # The same pages scattered over a pool of B * P + 1 pages (page 0 unused) by a page table.
+    table = np.random.RandomState(0).permutation(B * P).reshape(B, P).astype(np.int32) + 1
+    to_pool = lambda x: jnp.zeros((B * P + 1, HKV, S, D)).at[table.reshape(-1)].set(
+        jnp.swapaxes(x, 1, 2).reshape(B * P, HKV, S, D))
+    return q, k, v, positions, jnp.asarray(table), to_pool(k), to_pool(v)
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_dense_kernel_equals_reference_dense_decode(cache, dtype):
+    q, k, v, positions, *_ = cache
+    k, v = k.astype(dtype), v.astype(dtype)
+    expected = dense_decode(q, k, v, positions)
+    tol = 1e-5 if dtype == jnp.float32 else 1e-2
+    np.testing.assert_allclose(dense_decode_cpu(q, k, v, positions), expected, atol=tol, rtol=tol)
+    np.testing.assert_allclose(dense_decode_dispatch(q, k, v, positions, impl="auto"), expected, atol=tol, rtol=tol)
+
+
+@needs_kernel
+def test_paged_kernel_through_a_page_table_equals_per_row_layout(cache):
+    q, k, v, positions, table, k_pool, v_pool = cache
+    np.testing.assert_array_equal(paged_decode_cpu(q, k_pool, v_pool, table, positions), dense_decode_cpu(q, k, v, positions))
+    scores = jax.random.normal(jax.random.PRNGKey(3), (B, HKV, P))
+    idx, valid = select_pages(scores, positions[:, None], 2, 2, S, 1, 1)
+    expected = brute_force_sparse_decode(*(np.asarray(x) for x in (q, k, v, idx, valid, positions)))
+    got = paged_decode_cpu(q, k_pool, v_pool, table, positions, idx, valid)
+    np.testing.assert_allclose(got, expected, atol=1e-5)
+    with pytest.raises(Exception, match="outside the pool"):
+        jax.block_until_ready(paged_decode_cpu(q, k_pool, v_pool, table + 100, positions))
+
+
+@pytest.mark.parametrize("schedule", [None, SparsitySchedule.fixed(2, page_size=S, reserved_first=1,
+                                                                    reserved_last=1, dense_layers=())],
+                         ids=["dense", "sparse"])
+def test_paged_decode_xla_fallback_equals_cpu_kernel(cache, schedule):
+    q, k, v, positions, table, k_pool, v_pool = cache
+    centroid = jax.random.normal(jax.random.PRNGKey(4), (B * P + 1, HKV, D))
+    pool = PoolLayer(k_pool, v_pool, centroid)
+    budget = jnp.full((B,), 2, jnp.int32)
+    xla = paged_decode(q, pool, table, positions, schedule, budget, 2, impl="xla")
+    if schedule is None:
+        np.testing.assert_allclose(xla, dense_decode(q, k, v, positions), atol=1e-5)
+    if cpu_kernel_available():
+        np.testing.assert_allclose(paged_decode(q, pool, table, positions, schedule, budget, 2, impl="cpu"), xla,
+                                   atol=1e-5)
