@@ -107,6 +107,10 @@ def test_page_allocator_refcounts():
     with pytest.raises(MemoryError, match="exhausted"):
         pages.alloc(3)
     pages.grow(8)
-    assert len(pages.alloc(6)) == 6 and pages.peak == 7
+    b = pages.alloc(6)
+    assert len(set(b)) == 6 and pages.peak == 7
+    pages.release(b)
     with pytest.raises(ValueError, match="not allocated"):
-        pages.release([a[1]])
+        pages.release(b[:1])  # twice
+    with pytest.raises(ValueError, match="not allocated"):
+        pages.release([0])  # the scratch page

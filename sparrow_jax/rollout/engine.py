@@ -129,13 +129,15 @@ _JITTED = (_decode_segment, prefill, store_prefill, copy_pages, grow_pool)
 def generate_continuous(config: Qwen3Config, params: Params, prompts: Sequence[Sequence[int]], key: jax.Array,
                         sampling: SamplingParams, schedule=None, impl: str = "auto", pad_id: int = 0,
                         max_total_len: Optional[int] = None, length_bucket: int = 128, max_slots: int = 64,
-                        segment_steps: int = 64, progress: bool = False) -> Rollout:
+                        segment_steps: int = 64, max_new_per_request: Optional[Sequence[int]] = None,
+                        progress: bool = False) -> Rollout:
     """Sample completions like :func:`sparrow_jax.rollout.sampler.generate`, with continuous batching.
 
     Same arguments and output (``Rollout`` rows in prompt order, tokens [R, T] with the same T),
     plus ``max_slots`` (rows decoded at once, rounded up to a power of two) and
     ``segment_steps`` (decode steps between scheduling rounds; pages are reserved this far
-    ahead). ``stats`` adds ``peak_pages``, ``pool_pages``, ``peak_cache_bytes`` (the pool's
+    ahead) and ``max_new_per_request`` (a per-request cap on new tokens, at most
+    ``sampling.max_new_tokens``; e.g. per-prompt budgets, or forced ragged lengths). ``stats`` adds ``peak_pages``, ``pool_pages``, ``peak_cache_bytes`` (the pool's
     allocated bytes), ``peak_live_cache_bytes`` (pages in use at the peak), ``segments``
     and ``slot_steps`` (decode steps x batch size actually run).
     """
@@ -156,7 +158,10 @@ def generate_continuous(config: Qwen3Config, params: Params, prompts: Sequence[S
     max_new = sampling.max_new_tokens
     buf_len = _bucket(min(int(prompt_lens.max()) + max_new, cap) + 1, max(length_bucket, page))
     width = buf_len // page
-    end_pos = np.minimum(prompt_lens + max_new - 1, cap - 1).astype(np.int32)
+    caps = np.full(num, max_new) if max_new_per_request is None else np.asarray(max_new_per_request)
+    if caps.shape != (num,) or caps.min() < 1 or caps.max() > max_new:
+        raise ValueError(f"max_new_per_request must hold {num} values in [1, {max_new}], got shape {caps.shape}")
+    end_pos = np.minimum(prompt_lens + caps - 1, cap - 1).astype(np.int32)
     keys = np.asarray(request_keys(key, num))
     with_minmax = schedule is not None and schedule.selector == "quest"
 
