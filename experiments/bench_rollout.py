@@ -1,5 +1,8 @@
 """Rollout throughput: dense vs block-sparse sampler vs HF transformers ``generate`` (torch CPU).
 
+``--ragged``: a GRPO-like batch with long-tailed completion lengths (see :func:`ragged_main`):
+the fixed-batch sampler vs the continuous-batching engine, dense and sparse, vs HF and tunix.
+
 One random-weight Qwen3-architecture model sized so attention dominates decode, one long
 prompt per row, measured side by side in one process. Decode tokens/s are the figures;
 prefill is timed and reported separately. Final stdout line is JSON, also written to
@@ -27,7 +30,7 @@ import numpy as np
 from sparrow_jax.attention import IMPLEMENTATIONS, resolve_impl
 from sparrow_jax.io import atomic_write_json
 from sparrow_jax.models import Qwen3Config, init_params, save_hf
-from sparrow_jax.rollout import SamplingParams, SparsitySchedule, generate
+from sparrow_jax.rollout import SamplingParams, SparsitySchedule, generate, generate_continuous
 
 BENCH_MODEL = Qwen3Config(vocab_size=512, hidden_size=256, num_hidden_layers=4, num_attention_heads=8,
                           num_key_value_heads=2, head_dim=64, intermediate_size=768,
@@ -95,10 +98,11 @@ def _hf(params, prompts, gen_len, threads, device="cpu", block=32, probe_blocks=
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--batch", type=int, default=4)
-    ap.add_argument("--prompt_len", type=int, default=8192)
-    ap.add_argument("--gen_len", type=int, default=1024)
-    ap.add_argument("--budget_tokens", type=int, default=1024, help="sparse KV budget incl. reserved pages")
+    ap.add_argument("--batch", type=int, default=None, help="rows at a time (default 4; --ragged 8)")
+    ap.add_argument("--prompt_len", type=int, default=None, help="default 8192; --ragged 2048")
+    ap.add_argument("--gen_len", type=int, default=None, help="default 1024; --ragged: the longest completion, 768")
+    ap.add_argument("--budget_tokens", type=int, default=None,
+                    help="sparse KV budget incl. reserved pages (default 1024; --ragged 512)")
     ap.add_argument("--page_size", type=int, default=16)
     ap.add_argument("--skip_hf", action="store_true")
     ap.add_argument("--impl", default="auto", choices=IMPLEMENTATIONS,
@@ -106,7 +110,20 @@ def main(argv=None):
                          "(auto: Pallas on GPU/TPU; on CPU the C++ kernel, XLA without a compiler)")
     ap.add_argument("--hf_device", default="auto", help="torch device for HF (auto: cuda when JAX runs on GPU)")
     ap.add_argument("--out", default="runs/bench/bench_rollout.json")
+    ap.add_argument("--ragged", action="store_true", help="long-tailed completion lengths, both engines, peers")
+    ap.add_argument("--prompts", type=int, default=8, help="--ragged: distinct prompts")
+    ap.add_argument("--group", type=int, default=4, help="--ragged: samples per prompt (G)")
+    ap.add_argument("--median_len", type=int, default=96, help="--ragged: median completion length")
+    ap.add_argument("--sigma", type=float, default=1.0, help="--ragged: lognormal sigma of completion lengths")
+    ap.add_argument("--skip_tunix", action="store_true")
     args = ap.parse_args(argv)
+    defaults = dict(batch=8, prompt_len=2048, gen_len=768, budget_tokens=512) if args.ragged else dict(
+        batch=4, prompt_len=8192, gen_len=1024, budget_tokens=1024)
+    for name, value in defaults.items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    if args.ragged:
+        return ragged_main(args)
 
     params = init_params(BENCH_MODEL, seed=0)
     rng = np.random.RandomState(0)
@@ -157,6 +174,136 @@ def main(argv=None):
                              budget_tokens=args.budget_tokens, page_size=args.page_size,
                              backend=jax.default_backend(), impl=resolve_impl(args.impl),
                              hf_device=None if args.skip_hf else hf_device, model=BENCH_MODEL.to_hf_dict()))
+    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+    atomic_write_json(args.out, result)
+    print(json.dumps({k: v for k, v in result.items() if k != "setup"}))
+    return result
+
+
+def ragged_lengths(num: int, median: int, sigma: float, max_len: int, seed: int = 0) -> np.ndarray:
+    """Completion lengths ~ lognormal(log(median), sigma), rounded, clipped to [8, max_len]."""
+    rng = np.random.RandomState(seed)
+    return np.clip(np.round(median * np.exp(sigma * rng.randn(num))), 8, max_len).astype(np.int32)
+
+
+def cache_bytes(config: Qwen3Config, batch: int, max_len: int, page: int, with_minmax: bool = False) -> int:
+    """Bytes of the fixed-batch sampler's caches: every row holds ``max_len`` tokens, all layers."""
+    pages = -(-max_len // page)
+    kv = 2 * batch * config.num_key_value_heads * pages * page * config.head_dim * np.dtype(config.compute_dtype).itemsize
+    meta = (3 if with_minmax else 1) * batch * config.num_key_value_heads * pages * config.head_dim * 4
+    return config.num_hidden_layers * (kv + meta)
+
+
+def _fixed_batches(params, prompts, lengths, batch, schedule, impl):
+    """The fixed-batch sampler over ``batch``-row chunks, each run until its longest request.
+
+    Returns (seconds, peak cache bytes, compiles). A row's useful tokens are its own length;
+    the steps it runs past it are the waste this engine pays.
+    """
+    seconds, peak, compiles = 0.0, 0, 0
+    for i in range(0, len(prompts), batch):
+        chunk, steps = prompts[i:i + batch], int(lengths[i:i + batch].max())
+        start = time.perf_counter()
+        out = generate(BENCH_MODEL, params, chunk, jax.random.PRNGKey(0),
+                       SamplingParams(max_new_tokens=steps, temperature=0.0), schedule=schedule, impl=impl)
+        seconds += time.perf_counter() - start
+        compiles += out.stats["compiles"]
+        peak = max(peak, cache_bytes(BENCH_MODEL, len(chunk), out.tokens.shape[1],
+                                     schedule.page_size if schedule is not None else 16))
+    return seconds, peak, compiles
+
+
+def _new_engine(params, prompts, lengths, batch, schedule, impl):
+    """The continuous-batching engine over all requests. Returns (seconds, stats)."""
+    start = time.perf_counter()
+    out = generate_continuous(BENCH_MODEL, params, prompts, jax.random.PRNGKey(0),
+                              SamplingParams(max_new_tokens=int(lengths.max()), temperature=0.0),
+                              schedule=schedule, impl=impl, max_slots=batch, max_new_per_request=lengths)
+    seconds = time.perf_counter() - start
+    if not np.array_equal(out.lengths - out.prompt_lens, lengths):
+        raise RuntimeError("the engine did not generate the requested lengths")
+    return seconds, out.stats
+
+
+def ragged_main(args) -> dict:
+    """Useful (non-padding) generated tokens/s on a GRPO-like batch with long-tailed lengths.
+
+    ``--prompts`` prompts of ``--prompt_len`` random tokens, each sampled ``--group`` times;
+    completion lengths drawn per request from a lognormal (median ``--median_len``, sigma
+    ``--sigma``, clipped to [8, ``--gen_len``]) and forced as per-request caps (a random model
+    has no natural ends). Greedy decoding, ``--batch`` rows at a time:
+
+    * fixed: ``generate`` on consecutive chunks of ``--batch`` requests, each chunk running to
+      its longest request (what a fixed-batch sampler pays for stop tokens at those places);
+    * new: ``generate_continuous`` with ``max_slots=--batch`` (refills, group prefill shared,
+      pooled pages);
+    * HF ``generate`` and tunix's sampler: fixed batches as ``fixed``, their time per chunk
+      from a measured prefill and decode step time (HF: per-step stamps over chunk 0; tunix:
+      two warm runs of different lengths, its decode attends the whole cache every step).
+
+    Every timed engine ran once before (compiles excluded). Useful tokens = sum of lengths.
+    """
+    params = init_params(BENCH_MODEL, seed=0)
+    rng = np.random.RandomState(0)
+    distinct = [list(rng.randint(3, BENCH_MODEL.vocab_size, args.prompt_len)) for _ in range(args.prompts)]
+    prompts = [p for p in distinct for _ in range(args.group)]
+    lengths = ragged_lengths(len(prompts), args.median_len, args.sigma, args.gen_len)
+    useful = int(lengths.sum())
+    schedule = SparsitySchedule.from_budget_tokens(args.budget_tokens, page_size=args.page_size,
+                                                   dense_layers=(), name=f"fixed-{args.budget_tokens}")
+    load_start = os.getloadavg()[0]
+    t_start = time.perf_counter()
+    result = {"useful_tokens": useful}
+    engines = {"fixed": _fixed_batches, "new": _new_engine}
+    for mode_name, mode in (("dense", None), ("sparse", schedule)):
+        for engine_name, run in engines.items():
+            run(params, prompts, lengths, args.batch, mode, args.impl)  # compile run
+            out = run(params, prompts, lengths, args.batch, mode, args.impl)
+            seconds = out[0]
+            name = f"{engine_name}_{mode_name}"
+            result[f"{name}_tok_s"] = round(useful / seconds, 2)
+            if engine_name == "fixed":
+                result.setdefault("peak_cache_bytes", {})[name] = out[1]
+            else:
+                result.setdefault("peak_cache_bytes", {})[name] = out[1]["peak_cache_bytes"]
+                result.setdefault("peak_live_cache_bytes", {})[name] = out[1]["peak_live_cache_bytes"]
+                result.setdefault("slot_steps", {})[name] = out[1]["slot_steps"]
+            print(f"{name}: {useful / seconds:.1f} useful tok/s ({seconds:.1f}s)", flush=True)
+    chunks = [lengths[i:i + args.batch] for i in range(0, len(prompts), args.batch)]
+    fixed_steps = int(sum(c.max() for c in chunks))
+
+    def peer_tok_s(prefill_s, step_s):
+        return useful / (len(chunks) * prefill_s + fixed_steps * step_s)
+
+    if not args.skip_hf:
+        hf_tok_s, hf_prefill_s, _ = _hf(params, prompts[:args.batch], int(chunks[0].max()),
+                                        sorted({1, os.cpu_count() or 1}))
+        result["hf_tok_s"] = round(peer_tok_s(hf_prefill_s, args.batch / hf_tok_s), 2)
+        print(f"hf: {result['hf_tok_s']} useful tok/s (prefill {hf_prefill_s:.2f}s, decode {hf_tok_s:.1f} tok/s)")
+    if not args.skip_tunix:
+        from experiments.tunix_peer import TunixPeer
+
+        peer = TunixPeer(BENCH_MODEL, params, args.batch, args.prompt_len + 8 + int(lengths.max()))
+        prefill_s, step_s = peer.timing(prompts[:args.batch], 8, 8 + min(64, int(lengths.max())))
+        result["tunix_tok_s"] = round(peer_tok_s(prefill_s, step_s), 2)
+        result["tunix_timing"] = {"prefill_s": round(prefill_s, 3), "step_ms": round(step_s * 1e3, 3)}
+        print(f"tunix: {result['tunix_tok_s']} useful tok/s (prefill {prefill_s:.2f}s, step {step_s * 1e3:.1f} ms)")
+    result["new_over_fixed"] = {m: round(result[f"new_{m}_tok_s"] / result[f"fixed_{m}_tok_s"], 3)
+                                for m in ("dense", "sparse")}
+    result["sparse_over_dense"] = {e: round(result[f"{e}_sparse_tok_s"] / result[f"{e}_dense_tok_s"], 3)
+                                   for e in engines}
+    for peer in ("hf", "tunix"):
+        if f"{peer}_tok_s" in result:
+            result[f"ours_over_{peer}"] = {
+                "new_dense": round(result["new_dense_tok_s"] / result[f"{peer}_tok_s"], 3),
+                "fixed_dense": round(result["fixed_dense_tok_s"] / result[f"{peer}_tok_s"], 3)}
+    result.update(wall_s=round(time.perf_counter() - t_start, 1),
+                  load_avg_1min={"start": round(load_start, 2), "end": round(os.getloadavg()[0], 2)},
+                  setup=dict(requests=len(prompts), group=args.group, prompt_len=args.prompt_len, batch=args.batch,
+                             lengths=dict(dist="lognormal", median=args.median_len, sigma=args.sigma,
+                                          max=args.gen_len, mean=round(float(lengths.mean()), 1),
+                                          fixed_steps=fixed_steps),
+                             budget_tokens=args.budget_tokens, impl=resolve_impl(args.impl)))
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     atomic_write_json(args.out, result)
     print(json.dumps({k: v for k, v in result.items() if k != "setup"}))
