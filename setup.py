@@ -35,5 +35,6 @@ setup(
         "gpu": ["jax[cuda13]"],
         "triton": ["jax-triton"],  # optional, guarded import: not every jax version works with it
         "tpu": ["jax[tpu]"],
+        "peers": ["google-tunix==0.1.7"] + HF,  # optional, guarded import: benchmark peers (tunix sampler, HF)
     },
 )

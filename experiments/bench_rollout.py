@@ -116,6 +116,8 @@ def main(argv=None):
     ap.add_argument("--median_len", type=int, default=96, help="--ragged: median completion length")
     ap.add_argument("--sigma", type=float, default=1.0, help="--ragged: lognormal sigma of completion lengths")
     ap.add_argument("--skip_tunix", action="store_true")
+    ap.add_argument("--model", default="bench", help="--ragged: 'bench' or a Qwen3 preset (random bf16 weights)")
+    ap.add_argument("--preset", default=None, help="--ragged: a paper schedule preset instead of --budget_tokens")
     args = ap.parse_args(argv)
     defaults = dict(batch=8, prompt_len=2048, gen_len=768, budget_tokens=512) if args.ragged else dict(
         batch=4, prompt_len=8192, gen_len=1024, budget_tokens=1024)
@@ -194,7 +196,7 @@ def cache_bytes(config: Qwen3Config, batch: int, max_len: int, page: int, with_m
     return config.num_hidden_layers * (kv + meta)
 
 
-def _fixed_batches(params, prompts, lengths, batch, schedule, impl):
+def _fixed_batches(config, params, prompts, lengths, batch, schedule, impl):
     """The fixed-batch sampler over ``batch``-row chunks, each run until its longest request.
 
     Returns (seconds, peak cache bytes, compiles). A row's useful tokens are its own length;
@@ -204,19 +206,19 @@ def _fixed_batches(params, prompts, lengths, batch, schedule, impl):
     for i in range(0, len(prompts), batch):
         chunk, steps = prompts[i:i + batch], int(lengths[i:i + batch].max())
         start = time.perf_counter()
-        out = generate(BENCH_MODEL, params, chunk, jax.random.PRNGKey(0),
+        out = generate(config, params, chunk, jax.random.PRNGKey(0),
                        SamplingParams(max_new_tokens=steps, temperature=0.0), schedule=schedule, impl=impl)
         seconds += time.perf_counter() - start
         compiles += out.stats["compiles"]
-        peak = max(peak, cache_bytes(BENCH_MODEL, len(chunk), out.tokens.shape[1],
+        peak = max(peak, cache_bytes(config, len(chunk), out.tokens.shape[1],
                                      schedule.page_size if schedule is not None else 16))
     return seconds, peak, compiles
 
 
-def _new_engine(params, prompts, lengths, batch, schedule, impl):
+def _new_engine(config, params, prompts, lengths, batch, schedule, impl):
     """The continuous-batching engine over all requests. Returns (seconds, stats)."""
     start = time.perf_counter()
-    out = generate_continuous(BENCH_MODEL, params, prompts, jax.random.PRNGKey(0),
+    out = generate_continuous(config, params, prompts, jax.random.PRNGKey(0),
                               SamplingParams(max_new_tokens=int(lengths.max()), temperature=0.0),
                               schedule=schedule, impl=impl, max_slots=batch, max_new_per_request=lengths)
     seconds = time.perf_counter() - start
@@ -242,23 +244,32 @@ def ragged_main(args) -> dict:
       two warm runs of different lengths, its decode attends the whole cache every step).
 
     Every timed engine ran once before (compiles excluded). Useful tokens = sum of lengths.
+    ``--model Qwen3-1.7B`` (random bf16 weights) and ``--preset`` (a paper schedule) are the
+    accelerator setting; peers then run only with ``--model bench``.
     """
-    params = init_params(BENCH_MODEL, seed=0)
+    config = BENCH_MODEL
+    if args.model != "bench":
+        config = Qwen3Config.preset(args.model, dtype="bfloat16", param_dtype="bfloat16")
+        args.skip_hf = args.skip_tunix = True
+    params = init_params(config, seed=0)
     rng = np.random.RandomState(0)
-    distinct = [list(rng.randint(3, BENCH_MODEL.vocab_size, args.prompt_len)) for _ in range(args.prompts)]
+    distinct = [list(rng.randint(3, config.vocab_size, args.prompt_len)) for _ in range(args.prompts)]
     prompts = [p for p in distinct for _ in range(args.group)]
     lengths = ragged_lengths(len(prompts), args.median_len, args.sigma, args.gen_len)
     useful = int(lengths.sum())
-    schedule = SparsitySchedule.from_budget_tokens(args.budget_tokens, page_size=args.page_size,
-                                                   dense_layers=(), name=f"fixed-{args.budget_tokens}")
+    if args.preset:
+        schedule = SparsitySchedule.from_preset(args.preset)
+    else:
+        schedule = SparsitySchedule.from_budget_tokens(args.budget_tokens, page_size=args.page_size,
+                                                       dense_layers=(), name=f"fixed-{args.budget_tokens}")
     load_start = os.getloadavg()[0]
     t_start = time.perf_counter()
     result = {"useful_tokens": useful}
     engines = {"fixed": _fixed_batches, "new": _new_engine}
     for mode_name, mode in (("dense", None), ("sparse", schedule)):
         for engine_name, run in engines.items():
-            run(params, prompts, lengths, args.batch, mode, args.impl)  # compile run
-            out = run(params, prompts, lengths, args.batch, mode, args.impl)
+            run(config, params, prompts, lengths, args.batch, mode, args.impl)  # compile run
+            out = run(config, params, prompts, lengths, args.batch, mode, args.impl)
             seconds = out[0]
             name = f"{engine_name}_{mode_name}"
             result[f"{name}_tok_s"] = round(useful / seconds, 2)
@@ -303,7 +314,8 @@ def ragged_main(args) -> dict:
                              lengths=dict(dist="lognormal", median=args.median_len, sigma=args.sigma,
                                           max=args.gen_len, mean=round(float(lengths.mean()), 1),
                                           fixed_steps=fixed_steps),
-                             budget_tokens=args.budget_tokens, impl=resolve_impl(args.impl)))
+                             budget_tokens=args.budget_tokens, schedule=schedule.name, model=args.model,
+                             backend=jax.default_backend(), impl=resolve_impl(args.impl)))
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     atomic_write_json(args.out, result)
     print(json.dumps({k: v for k, v in result.items() if k != "setup"}))
