@@ -34,7 +34,8 @@ from sparrow_jax.models.forward import init_caches, prefill
 from sparrow_jax.models.qwen3 import Params, bind
 from sparrow_jax.rollout.page_pool import (SCRATCH_PAGE, PageAllocator, PoolLayer, append_to_pool, copy_pages,
                                            grow_pool, init_pool, paged_decode, pool_bytes, store_prefill)
-from sparrow_jax.rollout.sampler import Rollout, SamplingParams, request_keys, sample_logits, token_keys
+from sparrow_jax.rollout.sampler import (Rollout, SamplingParams, _bucket, checked_prompt_lens, request_keys,
+                                        sample_logits, token_keys)
 
 
 def pooled_decode_step(config: Qwen3Config, params: Params, tokens: jax.Array, positions: jax.Array,
@@ -100,10 +101,6 @@ def _decode_segment(state: _SegmentState, params: Params, page_table: jax.Array,
     return jax.lax.while_loop(cond, body, state)
 
 
-def _bucket(n: int, multiple: int) -> int:
-    return -(-n // multiple) * multiple
-
-
 def _pow2(n: int) -> int:
     return 1 << max(0, int(n) - 1).bit_length()
 
@@ -141,18 +138,9 @@ def generate_continuous(config: Qwen3Config, params: Params, prompts: Sequence[S
     allocated bytes), ``peak_live_cache_bytes`` (pages in use at the peak), ``segments``
     and ``slot_steps`` (decode steps x batch size actually run).
     """
-    if not prompts:
-        raise ValueError("generate_continuous() needs at least one prompt")
     if max_slots < 1 or segment_steps < 1:
         raise ValueError(f"max_slots and segment_steps must be >= 1, got {max_slots} and {segment_steps}")
-    prompt_lens = np.array([len(p) for p in prompts], np.int32)
-    if prompt_lens.min() < 1:
-        raise ValueError(f"prompt {int(prompt_lens.argmin())} is empty")
-    cap = max_total_len or config.max_position_embeddings
-    if prompt_lens.max() >= cap:
-        bad = int(prompt_lens.argmax())
-        raise ValueError(f"prompt {bad} has {prompt_lens[bad]} tokens; it cannot fit with at least one new "
-                         f"token under the total length cap of {cap}")
+    prompt_lens, cap = checked_prompt_lens(config, prompts, max_total_len)
     num = len(prompts)
     page = schedule.page_size if schedule is not None else 16
     max_new = sampling.max_new_tokens

@@ -163,6 +163,22 @@ def _bucket(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
 
+def checked_prompt_lens(config: Qwen3Config, prompts: Sequence[Sequence[int]],
+                        max_total_len: Optional[int]) -> tuple[np.ndarray, int]:
+    """(prompt lengths int32 [B], total length cap); ValueError naming an empty or too long prompt."""
+    if not prompts:
+        raise ValueError("generate() needs at least one prompt")
+    prompt_lens = np.array([len(p) for p in prompts], np.int32)
+    if prompt_lens.min() < 1:
+        raise ValueError(f"prompt {int(prompt_lens.argmin())} is empty")
+    cap = max_total_len or config.max_position_embeddings
+    if prompt_lens.max() >= cap:
+        bad = int(prompt_lens.argmax())
+        raise ValueError(f"prompt {bad} has {prompt_lens[bad]} tokens; it cannot fit with at least one new "
+                         f"token under the total length cap of {cap}")
+    return prompt_lens, cap
+
+
 def generate(config: Qwen3Config, params: Params, prompts: Sequence[Sequence[int]], key: jax.Array,
              sampling: SamplingParams, schedule=None, impl: str = "auto", pad_id: int = 0,
              max_total_len: Optional[int] = None, length_bucket: int = 128,
@@ -178,16 +194,7 @@ def generate(config: Qwen3Config, params: Params, prompts: Sequence[Sequence[int
       length_bucket: buffer lengths are rounded up to this multiple to bound recompiles.
       progress: print tokens/s and current length every ``progress_every`` steps.
     """
-    if not prompts:
-        raise ValueError("generate() needs at least one prompt")
-    prompt_lens = np.array([len(p) for p in prompts], np.int32)
-    if prompt_lens.min() < 1:
-        raise ValueError(f"prompt {int(prompt_lens.argmin())} is empty")
-    cap = max_total_len or config.max_position_embeddings
-    if prompt_lens.max() >= cap:
-        bad = int(prompt_lens.argmax())
-        raise ValueError(f"prompt {bad} has {prompt_lens[bad]} tokens; it cannot fit with at least one new "
-                         f"token under the total length cap of {cap}")
+    prompt_lens, cap = checked_prompt_lens(config, prompts, max_total_len)
     batch = len(prompts)
     page = schedule.page_size if schedule is not None else 16
     total = min(int(prompt_lens.max()) + sampling.max_new_tokens, cap)
