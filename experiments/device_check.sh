@@ -6,6 +6,15 @@
 #
 #   OUT=runs/device bash experiments/device_check.sh
 #
+# Then the rollout engine at a Qwen3-1.7B-shaped random bf16 model: the
+# ragged rollout benchmark with the paper's qwen3-1.7b-0.86 schedule, batch 8 and 64, ~1K
+# prompts, completions up to 8K (lognormal, median 2K), next to the paper's Table 2 (2.21x
+# rollout speedup); and the attention benchmark at batch 64. Sized for a second 10-minute
+# call: `STAGE=rollout bash experiments/device_check.sh`. On GPU the engine's page-pool
+# attention runs on a per-row view gathered through the page table (no paged Pallas kernel
+# yet), so new-vs-fixed there also measures that gather. Raise --gen_len to 16384 / 32768
+# when time is left.
+#
 # Wheels of packages the GPU image lacks may sit in .whl/ (see docs/gpu_checks.md).
 set -uo pipefail
 OUT=${OUT:-runs/device}
@@ -28,6 +37,18 @@ step() {  # step NAME SECONDS CMD...: run with a time limit, log to $OUT/NAME.lo
   timeout "$limit" "$@" 2>&1 | tee "$OUT/$name.log" | grep -v "^WARNING\|^I0000\|^W0000" | tail -n 40
   echo "=== $name rc=${PIPESTATUS[0]} in $((SECONDS - t0))s"
 }
+
+if [ "${STAGE:-check}" = rollout ]; then
+  COMMON=(--ragged --model Qwen3-1.7B --preset qwen3-1.7b-0.86 --prompt_len 1024 --gen_len 8192 --median_len 2048
+          --sigma 0.8)
+  step ragged_b8 240 python3 -m experiments.bench_rollout "${COMMON[@]}" --batch 8 --prompts 2 --group 8 \
+    --out "$OUT/ragged_b8.json"
+  step ragged_b64 240 python3 -m experiments.bench_rollout "${COMMON[@]}" --batch 64 --prompts 16 --group 8 \
+    --out "$OUT/ragged_b64.json"
+  step bench_attention_b64 90 python3 -m experiments.bench_attention --batch 64 --contexts 8192 32768 --repeats 10 \
+    --out "$OUT/bench_attention_b64.json"
+  exit 0
+fi
 
 step check_kernels 120 python3 -m experiments.check_kernels --impls pallas_gpu xla triton reference
 step bench_attention 120 python3 -m experiments.bench_attention --repeats 20 --out "$OUT/bench_attention.json"
