@@ -8,12 +8,14 @@
   have finished), finished rows leave, waiting requests are prefilled into the freed
   slots, and once nothing waits the live rows are compacted into the next smaller
   power-of-two batch. Shapes are static per (batch bucket, ``k_max`` bucket, pool size), so
-  compiles are bounded by their product (pool sizes double, so there are few).
+  compiles are bounded by their product (pool sizes double, so there are few); the
+  schedule's top-k table is data, as in the sampler.
 * **Prompt sharing.** A prompt that appears G times (GRPO groups) is prefilled once; its
   full pages are shared by the G rows through their page tables and only the partial last
   page is copied per row.
 * **Memory follows the tokens.** KV pages come from a pool (:mod:`.page_pool`) as rows grow
-  (reserved one segment ahead) and go back when a row finishes; the pool doubles when full.
+  (reserved one segment ahead) and go back when a row finishes; the pool grows on a grid of
+  sizes (``pool_size``: powers of two and 1.5x powers of two) when full.
 
 Per-request PRNG keys (``request_keys``) and per-token keys (``token_keys``) are those of the
 fixed-batch sampler, so both engines draw the same tokens for the same request: greedy
@@ -33,9 +35,11 @@ from sparrow_jax.models.config import Qwen3Config
 from sparrow_jax.models.forward import init_caches, prefill
 from sparrow_jax.models.qwen3 import Params, bind
 from sparrow_jax.rollout.page_pool import (SCRATCH_PAGE, PageAllocator, PoolLayer, append_to_pool, copy_pages,
-                                           grow_pool, init_pool, paged_decode, pool_bytes, store_prefill)
+                                           grow_pool, init_pool, paged_decode, pool_bytes, pool_size,
+                                           store_prefill)
 from sparrow_jax.rollout.sampler import (Rollout, SamplingParams, _bucket, checked_prompt_lens, request_keys,
                                         sample_logits, token_keys)
+from sparrow_jax.rollout.schedule import SparsitySchedule, k_max_bucket
 
 
 def pooled_decode_step(config: Qwen3Config, params: Params, tokens: jax.Array, positions: jax.Array,
@@ -69,13 +73,15 @@ class _SegmentState(NamedTuple):
     out_logprobs: jax.Array
 
 
-@functools.partial(jax.jit, static_argnames=("config", "schedule", "k_max", "impl", "sampling"),
-                   donate_argnames=("state",))
+@functools.partial(jax.jit, static_argnames=("config", "k_max", "impl", "sampling"), donate_argnames=("state",))
 def _decode_segment(state: _SegmentState, params: Params, page_table: jax.Array, keys: jax.Array,
-                    request: jax.Array, end_pos: jax.Array, step_limit: jax.Array, exit_after: jax.Array, *,
-                    config: Qwen3Config, schedule, k_max: int, impl: str,
+                    request: jax.Array, end_pos: jax.Array, step_limit: jax.Array, exit_after: jax.Array,
+                    schedule: Optional[SparsitySchedule], *, config: Qwen3Config, k_max: int, impl: str,
                     sampling: SamplingParams) -> _SegmentState:
-    """Decode until ``step_limit`` steps, every slot done, or ``exit_after`` slots newly done."""
+    """Decode until ``step_limit`` steps, every slot done, or ``exit_after`` slots newly done.
+
+    ``schedule`` is a pytree argument (top-k table traced, layout static), as in the sampler.
+    """
     live_at_start = ~state.done
     stop_ids = jnp.asarray(sampling.stop_ids or (-1,), jnp.int32)
     last = state.out_tokens.shape[1] - 1
@@ -162,8 +168,11 @@ def generate_continuous(config: Qwen3Config, params: Params, prompts: Sequence[S
     prefilled: dict[int, _Group] = {}  # id(group) -> group with its pages
 
     batch = _pow2(min(num, max_slots))
-    allocator = PageAllocator(_pow2(1 + batch * (-(-segment_steps // page) + 1) + sum(
-        -(-int(len(p)) // page) for p in list(groups)[:batch])))
+    # First guess: the prompts of the first batch of requests (each group once) and every
+    # slot's pages for one segment; the pool grows on the pool_size grid when that is short.
+    first_prompts = {tuple(int(t) for t in p) for p in prompts[:batch]}
+    allocator = PageAllocator(pool_size(1 + batch * (-(-segment_steps // page) + 1) + sum(
+        -(-len(p) // page) for p in first_prompts)))
     pools = init_pool(config.num_hidden_layers, allocator.num_pages, config.num_key_value_heads, page,
                       config.head_dim, config.compute_dtype, with_minmax)
     state = _SegmentState(jnp.zeros((), jnp.int32), None, None, None, None, pools,
@@ -176,18 +185,17 @@ def generate_continuous(config: Qwen3Config, params: Params, prompts: Sequence[S
     generated = np.zeros(num, np.int32)
     next_request = 0
     compiles_before = _compiled(_JITTED)
-    prefill_s, segments, slot_steps, steps = 0.0, 0, 0, 0
+    prefill_s, segments, slot_steps, steps, grows = 0.0, 0, 0, 0, 0
     t0 = time.perf_counter()
 
     def reserve(n: int):
         """Grow the pool (doubling) until ``n`` more pages fit."""
-        nonlocal state
+        nonlocal state, grows
         if n > len(allocator.free):
-            size = allocator.num_pages
-            while size - 1 - allocator.in_use < n:
-                size *= 2
+            size = pool_size(max(allocator.in_use + 1 + n, allocator.num_pages + 1))
             state = state._replace(pools=grow_pool(state.pools, num_pages=size))
             allocator.grow(size)
+            grows += 1
 
     def prefill_group(group: _Group, prompt: np.ndarray) -> _Group:
         nonlocal state, prefill_s
@@ -276,7 +284,7 @@ def generate_continuous(config: Qwen3Config, params: Params, prompts: Sequence[S
             request[i], row_end[i] = slot.request, end_pos[slot.request]
         k_max = 0
         if schedule is not None:
-            k_max = int(max(schedule.topk_at(horizon[[s is not None for s in slots]])))
+            k_max = k_max_bucket(int(max(schedule.topk_at(horizon[[s is not None for s in slots]]))))
         live_now = sum(s is not None for s in slots)
         if num - next_request:
             exit_after = max(1, batch // 8)  # refill soon: free slots idle until then
@@ -288,8 +296,8 @@ def generate_continuous(config: Qwen3Config, params: Params, prompts: Sequence[S
         state = state._replace(step=jnp.zeros((), jnp.int32), tok=jnp.asarray(tok), pos=jnp.asarray(pos),
                                gen=jnp.asarray(gen), done=jnp.asarray(done))
         state = _decode_segment(state, params, jnp.asarray(table), jnp.asarray(row_keys), jnp.asarray(request),
-                                jnp.asarray(row_end), jnp.int32(segment_steps), jnp.int32(exit_after),
-                                config=config, schedule=schedule, k_max=k_max, impl=impl, sampling=sampling)
+                                jnp.asarray(row_end), jnp.int32(segment_steps), jnp.int32(exit_after), schedule,
+                                config=config, k_max=k_max, impl=impl, sampling=sampling)
         tok, pos, gen, done = (np.array(x) for x in (state.tok, state.pos, state.gen, state.done))
         seg_steps = int(state.step)
         segments += 1
@@ -316,7 +324,7 @@ def generate_continuous(config: Qwen3Config, params: Params, prompts: Sequence[S
     finished = np.isin(tokens[np.arange(num), lengths - 1], sampling.stop_ids) & (generated > 0)
     stats = dict(prefill_s=prefill_s, decode_s=total_s - prefill_s, decode_steps=steps,
                  decode_tokens=int(generated.sum()), compiles=_compiled(_JITTED) - compiles_before,
-                 segments=segments, slot_steps=slot_steps, peak_pages=allocator.peak,
+                 segments=segments, slot_steps=slot_steps, peak_pages=allocator.peak, pool_grows=grows,
                  pool_pages=allocator.num_pages, peak_cache_bytes=pool_bytes(state.pools),
                  peak_live_cache_bytes=pool_bytes(state.pools, allocator.peak + 1))
     return Rollout(tokens, prompt_lens, lengths, mask, logprobs, finished, stats)

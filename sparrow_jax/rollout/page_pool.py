@@ -45,13 +45,20 @@ def init_pool(num_layers: int, num_pages: int, num_kv_heads: int, page_size: int
                  for _ in range(num_layers))
 
 
+def pool_size(pages: int) -> int:
+    """Pages to allocate for ``pages`` needed: the next value of the grid 2^n, 3 * 2^(n-1)
+    (at most 1.5x the need; the same few sizes recur across calls, so compiles are reused)."""
+    p = 1 << max(0, int(pages) - 1).bit_length()
+    return 3 * p // 4 if pages <= 3 * p // 4 else p
+
+
 def pool_bytes(pools: Sequence[PoolLayer], pages: Optional[int] = None) -> int:
     """Bytes held by the pools, or by ``pages`` of their pages."""
     total = sum(x.nbytes for layer in pools for x in layer if x is not None)
     return total if pages is None else total * pages // pools[0].k.shape[0]
 
 
-@functools.partial(jax.jit, static_argnames=("num_pages",), donate_argnums=(0,))
+@functools.partial(jax.jit, static_argnames=("num_pages",))  # new shape: nothing to donate into
 def grow_pool(pools: tuple[PoolLayer, ...], num_pages: int) -> tuple[PoolLayer, ...]:
     """The same pools with room for ``num_pages`` pages (new pages empty)."""
     def grow(x, fill):
