@@ -168,11 +168,13 @@ void AttendGroup(const Shape& s, const Layout& layout, int64_t row, int64_t kv_h
   for (int64_t g = 0; g < groups; ++g) m[g] = kNegLarge;
 
   const int64_t position = positions[row];
+  const bool scattered = page_idx != nullptr || layout.table != nullptr;
   for (size_t i = 0; i < pages.size(); ++i) {
     // Selected pages are scattered 4 KiB blocks: the hardware prefetchers only start within a
     // page, so each token row of this page also requests the same row of a page further on
     // (spread over the page's work: a burst of 128 requests would overflow the miss queue).
-    const bool ahead = i + kPrefetchPages < pages.size();
+    // Dense over the per-row layout reads consecutive pages: the hardware prefetchers suffice.
+    const bool ahead = scattered && i + kPrefetchPages < pages.size();
     const int64_t ahead_at = ahead ? layout.Offset(s, row, kv_head, pages[i + kPrefetchPages]) : 0;
     const KV* k_ahead = ahead ? k + ahead_at : nullptr;
     const KV* v_ahead = ahead ? v + ahead_at : nullptr;
