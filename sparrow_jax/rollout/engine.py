@@ -37,7 +37,7 @@ from sparrow_jax.models.qwen3 import Params, bind
 from sparrow_jax.rollout.page_pool import (SCRATCH_PAGE, PageAllocator, PoolLayer, append_to_pool, copy_pages,
                                            grow_pool, init_pool, paged_decode, pool_bytes, pool_size,
                                            store_prefill)
-from sparrow_jax.rollout.sampler import (Rollout, SamplingParams, _bucket, checked_prompt_lens, request_keys,
+from sparrow_jax.rollout.sampler import (Rollout, SamplingParams, checked_prompt_lens, request_keys, round_up,
                                         sample_logits, token_keys)
 from sparrow_jax.rollout.schedule import SparsitySchedule, k_max_bucket
 
@@ -150,7 +150,7 @@ def generate_continuous(config: Qwen3Config, params: Params, prompts: Sequence[S
     num = len(prompts)
     page = schedule.page_size if schedule is not None else 16
     max_new = sampling.max_new_tokens
-    buf_len = _bucket(min(int(prompt_lens.max()) + max_new, cap) + 1, max(length_bucket, page))
+    buf_len = round_up(min(int(prompt_lens.max()) + max_new, cap) + 1, max(length_bucket, page))
     width = buf_len // page
     caps = np.full(num, max_new) if max_new_per_request is None else np.asarray(max_new_per_request)
     if caps.shape != (num,) or caps.min() < 1 or caps.max() > max_new:
@@ -201,7 +201,7 @@ def generate_continuous(config: Qwen3Config, params: Params, prompts: Sequence[S
         nonlocal state, prefill_s
         start = time.perf_counter()
         n = len(prompt) - 1  # prompt[:-1] goes to the cache; the last token is the first decode input
-        length = _bucket(max(n, 1), max(length_bucket, page))
+        length = round_up(max(n, 1), max(length_bucket, page))
         tokens = np.full((1, length), pad_id, np.int32)
         tokens[0, :n] = prompt[:-1]
         caches = init_caches(config, 1, length, page_size=page, with_minmax=with_minmax)

@@ -159,7 +159,8 @@ def _decode_segment(state: _LoopState, params: Params, step_limit: jax.Array, ma
     return jax.lax.while_loop(cond, body, state)
 
 
-def _bucket(n: int, multiple: int) -> int:
+def round_up(n: int, multiple: int) -> int:
+    """The smallest multiple of ``multiple`` >= ``n`` (buffer lengths: bounded recompiles)."""
     return -(-n // multiple) * multiple
 
 
@@ -198,11 +199,11 @@ def generate(config: Qwen3Config, params: Params, prompts: Sequence[Sequence[int
     batch = len(prompts)
     page = schedule.page_size if schedule is not None else 16
     total = min(int(prompt_lens.max()) + sampling.max_new_tokens, cap)
-    buf_len = _bucket(total + 1, max(length_bucket, page))  # +1: a spare slot past the last write
+    buf_len = round_up(total + 1, max(length_bucket, page))  # +1: a spare slot past the last write
     tokens = np.full((batch, buf_len), pad_id, np.int32)
     for b, p in enumerate(prompts):
         tokens[b, :len(p)] = p
-    prefill_len = _bucket(int(prompt_lens.max()), max(length_bucket, page))
+    prefill_len = round_up(int(prompt_lens.max()), max(length_bucket, page))
 
     t0 = time.perf_counter()
     caches = init_caches(config, batch, buf_len, page_size=page,
