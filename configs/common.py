@@ -35,6 +35,8 @@ def task_config() -> ConfigDict:
         num_eval=32,  # held-out prompts for evaluation and calibration validation
         seed=1234,  # generation seed of the built-in task
         key_len=3,  # built-in task: symbols per record key (also a warm-up cache knob)
+        reward_workers=2,  # RewardPool processes, for tasks that score in a pool (math)
+        reward_timeout_s=10.0,  # per-answer verifier timeout in the pool (a timeout scores 0)
     ))
 
 
@@ -108,10 +110,24 @@ def train_config() -> ConfigDict:
         loss_agg="token-mean",  # token-mean | seq-mean-token-mean | seq-mean-token-sum
         tis_cap=3.0,  # truncated importance sampling cap C (0 disables TIS)
         tis_level="token",  # token | sequence
-        kl_coef=0.0,  # KL-to-reference coefficient (0: no reference model)
-        kl_kind="k3",  # k1 | k2 | k3
+        # reject tokens (tis_level token) or sequences whose ratio p_dense_old / p_sampler is outside
+        # [low, high] (both 0: off); the reciprocal of verl's rollout_rs k1 thresholds (ours = 1 / theirs)
+        tis_mask_low=0.0,  # lower ratio bound of the rejection mask
+        tis_mask_high=0.0,  # upper ratio bound of the rejection mask
+        # seq-mean loss divisor: valid (non-empty rows) | all (every row, as verl) | auto (all iff masking is on)
+        seq_mean_rows="auto",
+        kl_coef=0.0,  # KL-to-reference coefficient; the reference is the initial policy (0: none kept)
+        kl_kind="k3",  # k1 | k2 | k3 (verl low_var_kl, clamped to [-10, 10])
         entropy_coef=0.0,  # entropy bonus
-        micro_batches=1,  # gradient accumulation micro-batches per step
+        ppo_epochs=1,  # PPO epochs: passes over each rollout batch
+        mini_batches=1,  # optimiser updates per epoch, each on 1 / mini_batches of the batch's rows
+        micro_batches=1,  # gradient accumulation chunks per mini-batch (memory only: same update)
+        overlong_buffer=0,  # DAPO soft overlong penalty: ramp length before rollout.max_new_tokens (0: off)
+        overlong_penalty=1.0,  # DAPO soft overlong penalty at the cap, in reward units
+        mask_truncated=False,  # DAPO: completions cut at max_new_tokens (no stop token) leave the loss
+        dynamic_sampling=False,  # DAPO: drop groups with equal rewards, sample more until the batch is full
+        dynamic_sampling_rounds=3,  # extra sampling rounds per step; a batch still short keeps equal-reward groups
+        max_nonfinite_steps=3,  # stop after this many steps in a row with a skipped non-finite update (0: never)
         remat=False,  # rematerialise layer activations (long sequences)
     ))
 

@@ -1,4 +1,9 @@
-"""GRPO + TIS on sparse rollouts, tiny random model, built-in pointer-chase task: ~1 min on CPU."""
+"""GRPO + TIS on sparse rollouts, tiny random model, built-in pointer-chase task: ~1 min on CPU.
+
+The reward gives partial credit (symbol overlap with the reference chain): a random model
+never answers right, but its samples differ in credit, so advantages and gradients are
+non-zero from the first step.
+"""
 from configs.common import base_config
 
 
@@ -7,6 +12,7 @@ def get_config():
     c.workdir = "runs/grpo_tiny"
     c.steps = 6
     c.checkpoint_every = 2
+    c.task.name = "pointer_chase_partial"
     c.task.context_tokens = 192
     c.task.hops = 1
     c.task.num_train = 64

@@ -237,7 +237,7 @@ _CHILD = textwrap.dedent(
                     "mu_q_shard_shape": list(state.opt_state[1][0].mu["layers"][0]["self_attn"]["q_proj"]["kernel"]
                                              .addressable_shards[0].data.shape),
                     "tokens_shard_shape": list(batch.tokens.addressable_shards[0].data.shape)}
-        new, metrics = train_step(state, batch, config=config, optimizer=optimizer, schedule=schedule, opts=opts)
+        new, _, metrics = train_step(state, batch, config=config, optimizer=optimizer, schedule=schedule, opts=opts)
         if mesh is not None:  # the step keeps the layout: the next step reuses the compiled program
             info["shardings_kept"] = all(x.sharding.is_equivalent_to(s, x.ndim)
                                          for x, s in zip(jax.tree.leaves(new), jax.tree.leaves(want)))

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from sparrow_jax.rl import (agg_loss, group_advantages, grpo_loss, kl_penalty, policy_loss,
+from sparrow_jax.rl import (LOSS_AGG_MODES, agg_loss, group_advantages, grpo_loss, kl_penalty, policy_loss,
                             tis_weights, tis_weights_and_keep)
 
 RTOL = 1e-5
@@ -367,3 +367,107 @@ def test_bad_inputs_raise():
         grpo_loss(logp, logp_old, adv, mask, kl_coef=0.1)
     with pytest.raises(ValueError, match="needs entropy"):
         grpo_loss(logp, logp_old, adv, mask, entropy_coef=0.1)
+
+
+# ----------------------------------------------------------------------------- verl cross-checks
+# Hand-made inputs with ratios != 1 everywhere; expected values from verl's formulas
+# (core_algos.compute_policy_loss_vanilla / agg_loss / kl_penalty, rollout_corr_helper) in numpy.
+V_LOGP_OLD = np.array([[-1.0, -0.7, -2.0, -0.4], [-0.3, -1.2, -0.9, -1.5], [-2.2, -0.1, -0.6, -1.1]])
+V_LOG_RATIO = np.array([[0.4, -0.1, -0.5, 0.05], [-0.6, 0.15, 1.9, -0.02], [0.3, -0.3, 0.1, 0.2]])
+V_LOGP = V_LOGP_OLD + V_LOG_RATIO
+V_ADV = np.array([1.5, -0.8, 0.6])
+V_MASK = np.array([[1, 1, 1, 0], [1, 1, 1, 1], [0, 0, 0, 0]], np.float32)  # ragged + one empty row
+V_W = np.array([[1.0, 0.5, 2.0, 1.0], [1.5, 1.0, 0.25, 3.0], [1.0, 1.0, 1.0, 1.0]])
+
+
+def _verl_agg(values, mask, mode, global_rows, scale=None):
+    if mode == "token-mean":
+        return (values * mask).sum() / mask.sum()
+    rows = mask.sum(axis=1)
+    seq = (values * mask).sum(axis=1)
+    if mode == "seq-mean-token-mean":
+        seq = np.where(rows > 0, seq / np.maximum(rows, 1), 0.0)
+    n = mask.shape[0] if global_rows else (rows > 0).sum()
+    loss = seq[rows > 0].sum() / n
+    return loss / (scale or mask.shape[1]) if mode == "seq-mean-token-sum-norm" else loss
+
+
+def _verl_pg(logp, logp_old, adv, clip_low, clip_high, clip_c):
+    ratio = np.exp(logp - logp_old)
+    a = adv[:, None]
+    pg1, pg2 = -a * ratio, -a * np.clip(ratio, 1 - clip_low, 1 + clip_high)
+    clip1 = np.maximum(pg1, pg2)
+    pg3 = -a * clip_c
+    pg = np.where(a < 0, np.minimum(pg3, clip1), clip1)
+    return pg, pg2 > pg1, (clip1 > pg3) & (a < 0)
+
+
+@pytest.mark.parametrize("mode", LOSS_AGG_MODES)
+@pytest.mark.parametrize("global_rows", [False, True])
+def test_verl_policy_loss_every_mode_dual_clip_and_weights(mode, global_rows):
+    pg, clipped, lower = _verl_pg(V_LOGP, V_LOGP_OLD, V_ADV, 0.2, 0.28, 3.0)
+    want = _verl_agg(pg * V_W, V_MASK, mode, global_rows)
+    loss, m = policy_loss(jnp.array(V_LOGP), jnp.array(V_LOGP_OLD), jnp.array(V_ADV), jnp.array(V_MASK),
+                          0.2, 0.28, dual_clip_c=3.0, is_weights=jnp.array(V_W), agg=mode, global_rows=global_rows)
+    close(loss, want)
+    valid = V_MASK > 0
+    close(m["actor/pg_clipfrac"], clipped[valid].mean())
+    close(m["actor/pg_clipfrac_lower"], lower[valid].mean())
+    close(m["actor/ppo_kl"], -V_LOG_RATIO[valid].mean())
+    assert clipped[valid].any() and lower[valid].any()  # the inputs reach both clip branches
+    if mode == "token-mean":  # d loss / d logp = -A r w / N on unclipped tokens, 0 on clipped ones
+        g = jax.grad(lambda lp: policy_loss(lp, jnp.array(V_LOGP_OLD), jnp.array(V_ADV), jnp.array(V_MASK),
+                                            0.2, 0.28, 3.0, jnp.array(V_W), mode)[0])(jnp.array(V_LOGP))
+        active = valid & ~clipped & ~lower
+        close(g, np.where(active, -V_ADV[:, None] * np.exp(V_LOG_RATIO) * V_W, 0.0) / V_MASK.sum())
+
+
+def test_global_rows_differs_only_with_empty_rows():
+    values = jnp.array(V_LOG_RATIO)
+    full = jnp.ones_like(values)
+    close(agg_loss(values, full, "seq-mean-token-mean", global_rows=True),
+          agg_loss(values, full, "seq-mean-token-mean"))
+    close(agg_loss(values, jnp.array(V_MASK), "seq-mean-token-sum", global_rows=True),
+          agg_loss(values, jnp.array(V_MASK), "seq-mean-token-sum") * 2 / 3)
+
+
+def test_verl_kl_kinds():
+    logp = np.array([[-1.0, -0.5, -30.0], [-2.0, -0.01, -0.2]])
+    ref = np.array([[-1.3, -0.5, -0.1], [-0.2, -3.0, -0.25]])
+    d = ref - logp
+    want = {"k1": logp - ref, "k2": 0.5 * (logp - ref) ** 2,
+            "k3": np.clip(np.exp(np.clip(d, -20, 20)) - np.clip(d, -20, 20) - 1, -10, 10)}
+    assert want["k3"][0, 2] == 10.0  # the low_var_kl clamp is reached
+    for kind, expected in want.items():
+        close(kl_penalty(jnp.array(logp), jnp.array(ref), kind), expected)
+
+
+@pytest.mark.parametrize("level", ["token", "sequence"])
+def test_verl_tis_weights_and_upper_bound_fraction(level):
+    logp_sampler = V_LOGP_OLD - V_LOG_RATIO  # ratio p_old / p_sampler = exp(V_LOG_RATIO)
+    valid = V_MASK > 0
+    if level == "token":
+        raw = np.exp(V_LOG_RATIO)
+        units = raw[valid]
+    else:
+        raw = np.broadcast_to(np.exp((V_LOG_RATIO * V_MASK).sum(axis=1))[:, None], V_MASK.shape)
+        units = raw[valid.any(axis=1), 0]
+    w, m = tis_weights(jnp.array(V_LOGP_OLD), jnp.array(logp_sampler), jnp.array(V_MASK), cap=2.0, level=level)
+    close(w, np.where(valid, np.minimum(raw, 2.0), 0.0))
+    close(m["rollout_corr/rollout_is_ratio_fraction_high"], (units > 2.0).mean())
+    # with masking bounds the high fraction counts what the upper bound rejects (cap 10: nothing capped)
+    lo, hi = 0.8, 1.3
+    w, keep, m = tis_weights_and_keep(jnp.array(V_LOGP_OLD), jnp.array(logp_sampler), jnp.array(V_MASK), cap=10.0,
+                                      level=level, mask_ratio_bounds=(lo, hi))
+    inside = valid & (raw >= lo) & (raw <= hi)
+    np.testing.assert_array_equal(np.asarray(keep), inside)
+    close(w, np.where(inside, raw, 0.0))
+    close(m["rollout_corr/rollout_is_ratio_fraction_high"], (units > hi).mean())
+    close(m["rollout_corr/rollout_is_ratio_fraction_low"], (units < lo).mean())
+    assert (units > hi).any()
+
+
+def test_verl_grpo_advantages_numpy():
+    r = np.array(REWARDS).reshape(3, 4)
+    want = (r - r.mean(axis=1, keepdims=True)) / (r.std(axis=1, ddof=1, keepdims=True) + 1e-6)
+    close(group_advantages(jnp.array(REWARDS), 4, "grpo"), want.reshape(-1))

@@ -43,7 +43,7 @@ def test_train_step_compiles_once_and_updates_params():
     opts = StepOptions(micro_batches=2, num_bins=3, bin_width=16)
     n0 = train_step._cache_size()
     for seed, schedule in enumerate(schedules):
-        state, metrics = train_step(state, _batch(seed), config=config, optimizer=optimizer,
+        state, _, metrics = train_step(state, _batch(seed), config=config, optimizer=optimizer,
                                     schedule=schedule, opts=opts)
     assert train_step._cache_size() - n0 == 1
     assert int(state.step) == 3
@@ -70,7 +70,7 @@ def test_micro_batches_give_the_full_batch_update(agg):
     results = []
     for n in (1, 2):
         state = init_train_state(jax.tree.map(jnp.array, params), optimizer)
-        state, metrics = train_step(state, batch, config=config, optimizer=optimizer, schedule=None,
+        state, _, metrics = train_step(state, batch, config=config, optimizer=optimizer, schedule=None,
                                     opts=StepOptions(micro_batches=n, loss_agg=agg))
         results.append((float(metrics["loss"]), state.params))
     assert abs(results[0][0] - results[1][0]) < 1e-6
@@ -91,7 +91,7 @@ def test_mismatch_bins_count_a_token_at_its_query_position():
     only_32[:, 32] = 1
     batch = batch._replace(mask=jnp.asarray(only_32))
     schedule = SparsitySchedule.fixed(1, page_size=8, bin_width=16, dense_layers=(0,))
-    _, metrics = train_step(state, batch, config=config, optimizer=optimizer, schedule=schedule,
+    _, _, metrics = train_step(state, batch, config=config, optimizer=optimizer, schedule=schedule,
                             opts=StepOptions(micro_batches=2, num_bins=3, bin_width=16))
     assert int(metrics["mismatch/count/bin_16"]) == batch.tokens.shape[0]
     assert int(metrics["mismatch/count/bin_32"]) == 0
@@ -106,6 +106,31 @@ def test_invalid_config_names_the_field():
     cfg.rollout.max_new_tokens = 0
     with pytest.raises(ConfigError, match="--config.rollout.max_new_tokens"):
         parse_spec(cfg)
+    for field, value, match in (("mini_batches", 3, "train.mini_batches"), ("ppo_epochs", 0, "train.ppo_epochs"),
+                                ("tis_mask_low", 2.0, "train.tis_mask_low"),
+                                ("overlong_buffer", 24, "train.overlong_buffer"),
+                                ("seq_mean_rows", "rows", "train.seq_mean_rows")):
+        cfg = get_config()
+        cfg.train[field] = value
+        if field == "tis_mask_low":
+            cfg.train.tis_mask_high = 1.5
+        with pytest.raises(ConfigError, match=match):
+            parse_spec(cfg)
+
+
+def test_step_options_from_config():
+    from sparrow_jax.rl.trainer import step_options
+
+    cfg = get_config()
+    opts = step_options(parse_spec(cfg).train, 1.0, bin_width=64, max_len=100)
+    assert (opts.ppo_epochs, opts.mini_batches, opts.kl_coef, opts.tis_mask_bounds, opts.global_rows) == (1, 1, 0, None,
+                                                                                                       False)
+    cfg.train.update(ppo_epochs=2, mini_batches=4, kl_coef=0.1, kl_kind="k2", tis_mask_low=0.5, tis_mask_high=2.0)
+    opts = step_options(parse_spec(cfg).train, 1.0, bin_width=64, max_len=100)
+    assert (opts.ppo_epochs, opts.mini_batches, opts.kl_coef, opts.kl_kind) == (2, 4, 0.1, "k2")
+    assert opts.tis_mask_bounds == (0.5, 2.0) and opts.global_rows  # auto: verl's divisor when masking is on
+    cfg.train.seq_mean_rows = "valid"
+    assert not step_options(parse_spec(cfg).train, 1.0, bin_width=64, max_len=100).global_rows
 
 
 def _run(workdir, steps):
@@ -144,14 +169,14 @@ def test_distill_sparse_step_isolates_gradients():
     from sparrow_jax.rl.train_step import DistillOptions, LoraState
 
     config = tiny_config()
-    optimizer, lora_opt = make_optimizer(1e-3), optax.adam(1e-2)
+    optimizer, lora_opt = optax.sgd(1.0), optax.adam(1e-2)  # SGD: round-off stays round-off (Adam scales it to lr)
     params = init_params(config, seed=2)
     schedule = SparsitySchedule.fixed(1, page_size=8, bin_width=16, dense_layers=(0,))
     opts = StepOptions(num_bins=3, bin_width=16)
     lora_cfg = LoraConfig(rank=4)
     lora = init_lora(params, lora_cfg, jax.random.PRNGKey(0))
     copy = lambda t: jax.tree.map(lambda x: jnp.array(x, copy=True), t)
-    plain, _ = train_step(init_train_state(copy(params), optimizer), _batch(0), config=config,
+    plain, _, _ = train_step(init_train_state(copy(params), optimizer), _batch(0), config=config,
                           optimizer=optimizer, schedule=schedule, opts=opts)
     adapters = {}
     for kl, updates in (("exact", 1), ("exact_reverse", 1), ("k3", 1), ("exact_reverse", 3)):
@@ -160,8 +185,9 @@ def test_distill_sparse_step_isolates_gradients():
             config=config, optimizer=optimizer, schedule=schedule, opts=opts, lora_cfg=lora_cfg,
             lora_optimizer=lora_opt, distill=DistillOptions(kl=kl, kl_coef=0.1, updates=updates))
         adapters[kl, updates] = lora_state.lora
-        # the policy update ignores L_LoRA entirely; the adapter moves
-        same = jax.tree.map(lambda a, b: bool(np.array_equal(np.asarray(a), np.asarray(b))), plain.params, state.params)
+        # the policy update ignores L_LoRA entirely (1e-6 leaves room for two compiled programs'
+        # round-off in -grad); the adapter moves
+        same = jax.tree.map(lambda a, b: bool(np.allclose(a, b, rtol=0, atol=1e-6)), plain.params, state.params)
         assert all(jax.tree.leaves(same))
         moved = [not np.array_equal(np.asarray(a), np.asarray(b))
                  for a, b in zip(jax.tree.leaves(lora), jax.tree.leaves(lora_state.lora))]
@@ -246,3 +272,117 @@ def test_a_task_that_asks_for_a_reward_pool_is_scored_in_it():
     with RewardPool(lambda c, e: 10.0 * len(c), num_workers=0) as in_process:  # marks what the pool scored
         np.testing.assert_array_equal(score(SimpleNamespace(task=task), ["ab", "c"], [{}, {}], in_process), [20, 10])
     np.testing.assert_array_equal(score(SimpleNamespace(task=task), ["ab", "c"], [{}, {}]), [2, 1])
+
+
+# ---- PPO epochs x mini-batches, reference KL, non-finite updates ----------------------
+
+def _plain_ppo_loss(logp, logp_old, adv, mask, weights, clip_low=0.2, clip_high=0.28):
+    """Token-mean PPO-clip loss with TIS weights, written from the formula (jnp, for its gradient)."""
+    ratio = jnp.exp(logp - logp_old)
+    a = adv[:, None]
+    per_token = jnp.maximum(-a * ratio, -a * jnp.clip(ratio, 1 - clip_low, 1 + clip_high)) * weights
+    return jnp.sum(per_token * mask) / jnp.sum(mask)
+
+
+def _numpy_ppo_reference(logp, logp_old, adv, mask, weights, clip_low=0.2, clip_high=0.28):
+    """(loss, clipfrac) of a PPO-clip token-mean update in plain numpy."""
+    ratio = np.exp(logp - logp_old)
+    a = adv[:, None]
+    pg1, pg2 = -a * ratio, -a * np.clip(ratio, 1 - clip_low, 1 + clip_high)
+    m = mask > 0
+    return float(np.sum(np.maximum(pg1, pg2) * weights * mask) / mask.sum()), float(np.mean((pg2 > pg1)[m]))
+
+
+def _logp(config, params, tokens):
+    from sparrow_jax.models.scoring import token_logprobs
+    from sparrow_jax.models.forward import dense_hidden, unembedding
+    return token_logprobs(dense_hidden(config, params, tokens), unembedding(config, params), tokens)[0]
+
+
+def test_ppo_epochs_and_mini_batches_match_a_plain_loop_and_compile_once():
+    """2 epochs x 2 mini-batches (4 SGD updates, one scan) equal a plain Python loop of updates
+    whose loss is the PPO formula in numpy; logp_old and the TIS weights are the batch policy's;
+    later updates clip; the step compiles once."""
+    import optax
+
+    config = tiny_config()
+    lr = 30.0  # large SGD steps: the ratios leave the clip range after the first update
+    optimizer = optax.sgd(lr)
+    params0 = init_params(config, seed=4)
+    batch = _batch(11)
+    opts = StepOptions(ppo_epochs=2, mini_batches=2, tis_cap=2.0)
+    n0 = train_step._cache_size()
+    state, _, metrics = train_step(init_train_state(jax.tree.map(jnp.array, params0), optimizer), batch,
+                                   config=config, optimizer=optimizer, opts=opts)
+    train_step(init_train_state(jax.tree.map(jnp.array, params0), optimizer), _batch(12), config=config,
+               optimizer=optimizer, opts=opts)
+    assert train_step._cache_size() - n0 == 1
+
+    tokens, mask, adv = batch.tokens, np.asarray(batch.mask), np.asarray(batch.advantages)
+    logp_old = np.asarray(_logp(config, params0, tokens))
+    weights = np.minimum(np.exp(logp_old - np.asarray(batch.logp_sampler)), 2.0) * mask
+    params, losses, clipfracs = params0, [], []
+    for u in range(4):
+        rows = slice(0, 2) if u % 2 == 0 else slice(2, 4)
+        logp = np.asarray(_logp(config, params, tokens[rows]))
+        loss, clipfrac = _numpy_ppo_reference(logp, logp_old[rows], adv[rows], mask[rows], weights[rows])
+        losses.append(loss)
+        clipfracs.append(clipfrac)
+        grads = jax.grad(lambda p: _plain_ppo_loss(_logp(config, p, tokens[rows]), logp_old[rows], adv[rows],
+                                                   mask[rows], weights[rows]))(params)
+        params = jax.tree.map(lambda p, g: p - lr * g, params, grads)
+    assert clipfracs[0] == 0.0 and max(clipfracs[1:]) > 0  # the first update is on-policy: ratio 1
+    np.testing.assert_allclose(float(metrics["loss"]), np.mean(losses), rtol=1e-4, atol=1e-6)
+    np.testing.assert_allclose(float(metrics["actor/pg_clipfrac"]), np.mean(clipfracs), atol=1e-6)
+    diffs = jax.tree.map(lambda a, b: float(jnp.max(jnp.abs(a - b))), params, state.params)
+    assert max(jax.tree.leaves(diffs)) < 1e-4
+    assert float(metrics["actor/nonfinite_updates"]) == 0
+
+
+def test_kl_term_gradient_matches_finite_differences():
+    """With zero advantages only kl_coef * KL(pi || ref) moves the params: SGD(1) applies exactly
+    -grad, and its projection on a direction matches a central difference of actor/kl_loss."""
+    import optax
+
+    config = tiny_config()
+    optimizer = optax.sgd(1.0)
+    ref = init_params(config, seed=5)
+    rng = np.random.RandomState(0)
+    direction = jax.tree.map(lambda x: jnp.asarray(rng.randn(*x.shape), x.dtype), ref)
+    norm = float(optax.tree.norm(direction))
+    direction = jax.tree.map(lambda d: d / norm, direction)
+    params = init_params(config, seed=6)  # another random policy: KL(pi || ref) > 0
+    batch = _batch(6)._replace(advantages=jnp.zeros((4,), jnp.float32))
+    opts = StepOptions(kl_coef=1.0, kl_kind="k3", tis_cap=0.0)
+
+    def step(p):
+        return train_step(init_train_state(jax.tree.map(jnp.array, p), optimizer), batch, ref_params=ref,
+                          config=config, optimizer=optimizer, opts=opts)
+
+    state, _, metrics = step(params)
+    grad = jax.tree.map(lambda a, b: a - b, params, state.params)
+    along = sum(float(jnp.sum(g * d)) for g, d in zip(jax.tree.leaves(grad), jax.tree.leaves(direction)))
+    eps = 1e-2
+    kl_at = lambda s: float(step(jax.tree.map(lambda p, d: p + s * d, params, direction))[2]["actor/kl_loss"])
+    fd = (kl_at(eps) - kl_at(-eps)) / (2 * eps)
+    assert float(metrics["actor/kl_loss"]) > 0.01 and float(metrics["actor/kl_coef"]) == 1.0
+    np.testing.assert_allclose(along, fd, rtol=2e-2)
+    with pytest.raises(ValueError, match="ref_params"):
+        train_step(init_train_state(params, optimizer), batch, config=config, optimizer=optimizer, opts=opts)
+
+
+def test_nonfinite_gradient_is_skipped_and_counted():
+    config = tiny_config()
+    optimizer = make_optimizer(1e-3)
+    params = init_params(config, seed=1)
+    before = jax.tree.map(lambda x: np.asarray(x).copy(), params)
+    state = init_train_state(params, optimizer)
+    opt_before = jax.tree.map(lambda x: np.asarray(x).copy(), state.opt_state)
+    batch = _batch(3)._replace(advantages=jnp.asarray([np.nan, 1.0, -1.0, 0.5], jnp.float32))
+    state, _, metrics = train_step(state, batch, config=config, optimizer=optimizer, opts=StepOptions())
+    assert float(metrics["actor/nonfinite_updates"]) == 1
+    same = jax.tree.map(lambda a, b: bool(np.array_equal(a, np.asarray(b))), before, state.params)
+    assert all(jax.tree.leaves(same))
+    same_opt = jax.tree.map(lambda a, b: bool(np.array_equal(a, np.asarray(b))), opt_before, state.opt_state)
+    assert all(jax.tree.leaves(same_opt))
+    assert int(state.step) == 1

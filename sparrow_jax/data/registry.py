@@ -1,7 +1,8 @@
 """Task registry: a task name -> how to format its prompts, how to score completions, how to
 generate examples (synthetic tasks only).
 
-Built-ins: ``"pointer_chase"`` (synthetic, cheap in-process verifier) and ``"math"`` (prompts
+Built-ins: ``"pointer_chase"`` (synthetic, cheap in-process verifier), ``"pointer_chase_partial"``
+(the same with partial credit for untrained models) and ``"math"`` (prompts
 from a dataset, math-verify reward; run it through ``RewardPool`` so a pathological answer
 cannot hang training).
 """
@@ -93,6 +94,15 @@ def math_prompt(example: dict, tokenizer: "Tokenizer") -> str:
     return chat_prompt(MATH_TEMPLATE.format(problem=example["prompt"]), tokenizer)
 
 
+def pointer_chase_partial_score(completion: str, example: dict) -> float:
+    """1.0 for the right answer, else half the symbol overlap with the reference chain: a reward
+    that untrained (random) models already vary on, so smoke runs have a learning signal."""
+    if pointer_chase.score(completion, example):
+        return 1.0
+    return 0.5 * rewards.symbol_overlap_credit(rewards.before_eos(completion), example["reference"])
+
+
 register_task("pointer_chase", pointer_chase_prompt, pointer_chase.score, pointer_chase.generate)
+register_task("pointer_chase_partial", pointer_chase_prompt, pointer_chase_partial_score, pointer_chase.generate)
 register_task("math", math_prompt, rewards.math_reward_fn, None, use_reward_pool=True,
               reward_pool_initializer=rewards.warm_math_verify)

@@ -5,6 +5,7 @@
 * ``RewardPool(fn, num_workers, timeout_s)``: runs ``fn(completion, example) -> float`` in
   spawned worker processes; a call past ``timeout_s`` scores 0.0, its worker is killed and
   replaced. ``num_workers=0`` runs in-process (cheap synthetic verifiers, no timeout).
+* ``symbol_overlap_credit``: a dense partial credit for synthetic tasks.
 
 This module imports nothing heavy at top level, so spawned workers start fast.
 """
@@ -17,13 +18,22 @@ import multiprocessing.connection
 import threading
 import time
 import weakref
-from collections import deque
+from collections import Counter, deque
 from typing import Any, Callable, Sequence
 
 log = logging.getLogger(__name__)
 
 RewardFn = Callable[[str, dict], float]
 EOS_MARKERS = ("<|im_end|>", "<|endoftext|>", "<eos>")
+
+
+def before_eos(text: str) -> str:
+    """``text`` up to its first end-of-sequence marker."""
+    for marker in EOS_MARKERS:
+        cut = text.find(marker)
+        if cut >= 0:
+            text = text[:cut]
+    return text
 
 
 def last_boxed(text: str) -> str | None:
@@ -57,11 +67,7 @@ def math_reward(completion: str, answer: str, timeout_s: float = 5.0) -> float:
     parse / verify (signal alarms, whole seconds, main thread only); ``RewardPool`` is the hard
     bound.
     """
-    for marker in EOS_MARKERS:
-        cut = completion.find(marker)
-        if cut >= 0:
-            completion = completion[:cut]
-    pred = last_boxed(completion)
+    pred = last_boxed(before_eos(completion))
     if pred is None or not pred.strip():
         return 0.0
     from math_verify import parse, verify
@@ -263,3 +269,16 @@ class RewardPool:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+# --------------------------------------------------------------------------------------------
+# Partial credit
+# --------------------------------------------------------------------------------------------
+
+def symbol_overlap_credit(completion: str, reference: str) -> float:
+    """Share of ``reference``'s letters and digits (as a multiset) that ``completion`` also holds,
+    in [0, 1]: a dense partial credit that even random completions sometimes earn."""
+    want = Counter(ch for ch in reference if ch.isalnum())
+    got = Counter(ch for ch in completion if ch.isalnum())
+    total = sum(want.values())
+    return sum((want & got).values()) / total if total else 0.0

@@ -93,7 +93,7 @@ def _check_mode(fn: str, name: str, value: str, allowed) -> None:
 
 # ----------------------------------------------------------------------------- aggregation
 def agg_loss(values: Array, mask: Array, mode: str = "token-mean",
-             loss_scale_factor: Optional[float] = None) -> Array:
+             loss_scale_factor: Optional[float] = None, global_rows: bool = False) -> Array:
     """Aggregate a per-token matrix into a scalar, as verl ``agg_loss`` (single data-parallel rank).
 
     Args:
@@ -105,8 +105,11 @@ def agg_loss(values: Array, mask: Array, mode: str = "token-mean",
         "seq-mean-token-sum": mean over sequences of each sequence's token sum.
         "seq-mean-token-sum-norm": "seq-mean-token-sum" / loss_scale_factor (Dr.GRPO;
           default loss_scale_factor = T; pass a constant such as the max completion length).
-      The seq-mean modes average over sequences that have at least one masked token (verl
-      excludes fully masked rows from the sequence count). An empty mask gives 0.
+      loss_scale_factor: only for "seq-mean-token-sum-norm".
+      global_rows: the seq-mean modes' divisor. False: the rows with at least one masked
+        token (empty rows do not count). True: all B rows, empty (fully masked or rejected)
+        rows included, as verl's trainer divides by the mini-batch's global row count.
+        The two agree unless a row is empty. An empty mask gives 0 either way.
 
     Returns:
       0-d float32 array.
@@ -124,7 +127,8 @@ def agg_loss(values: Array, mask: Array, mode: str = "token-mean",
         seq_val = _safe_div(seq_sum, tokens_per_seq)
     else:
         seq_val = seq_sum
-    loss = _safe_div(jnp.sum(seq_val * seq_valid), jnp.sum(seq_valid))
+    rows = jnp.float32(values.shape[0]) if global_rows else jnp.sum(seq_valid)
+    loss = _safe_div(jnp.sum(seq_val * seq_valid), rows)
     if mode == "seq-mean-token-sum-norm":
         scale = values.shape[-1] if loss_scale_factor is None else loss_scale_factor
         if isinstance(scale, (int, float)) and scale <= 0:
@@ -201,6 +205,8 @@ def tis_weights_and_keep(logp_old_dense: Array, logp_sampler: Array, mask: Array
       mask_ratio_bounds: optional (lo, hi). Tokens ("token") or whole sequences ("sequence")
         whose raw ratio is outside [lo, hi] get weight 0 and are dropped from ``keep``
         (verl IcePop / rejection sampling). The bounds compare the raw ratio, before the cap.
+        Our ratio is p_ref / p_inf; verl's ``rollout_rs`` k1 thresholds bound the inverse
+        ratio, so verl's (lo_v, hi_v) are our (1 / hi_v, 1 / lo_v).
 
     Returns:
       weights: [B, T] float32, min(ratio, cap) on kept tokens, 0 elsewhere; stop-gradient.
@@ -211,7 +217,8 @@ def tis_weights_and_keep(logp_old_dense: Array, logp_sampler: Array, mask: Array
         sequences with >= 1 valid token at sequence level):
         rollout_is_mean / _max / _min: applied weights over valid tokens (verl token-level def).
         rollout_is_raw_mean / _raw_max / _raw_min: raw ratio (safety-clamped exp) over units.
-        rollout_is_ratio_fraction_high: fraction of units with raw ratio > cap (capped).
+        rollout_is_ratio_fraction_high: fraction of units with raw ratio > hi with
+          mask_ratio_bounds (rejected above), else > cap (capped).
         rollout_is_ratio_fraction_low: fraction of units with raw ratio < lo (or < 1/cap
           without bounds), verl's definition.
         rollout_is_oob_ratio: fraction of valid tokens rejected by mask_ratio_bounds.
@@ -243,10 +250,11 @@ def tis_weights_and_keep(logp_old_dense: Array, logp_sampler: Array, mask: Array
 
     if bounds is None:
         in_bounds = jnp.ones(raw.shape, dtype=bool)
-        lower = 1.0 / cap_f
+        lower, upper = 1.0 / cap_f, cap_f
     else:
         in_bounds = (raw >= bounds[0]) & (raw <= bounds[1])
-        lower = bounds[0]
+        lower, upper = bounds
+
     keep = maskb & in_bounds
     weights = jax.lax.stop_gradient(jnp.where(keep, jnp.minimum(raw, cap_f), 0.0))
 
@@ -268,7 +276,7 @@ def tis_weights_and_keep(logp_old_dense: Array, logp_sampler: Array, mask: Array
                                          jnp.sum(unit_w)),
         "rollout_is_raw_max": _masked_max(unit_raw, unit_valid),
         "rollout_is_raw_min": _masked_min(unit_raw, unit_valid),
-        "rollout_is_ratio_fraction_high": unit_frac(unit_raw > cap_f),
+        "rollout_is_ratio_fraction_high": unit_frac(unit_raw > upper),
         "rollout_is_ratio_fraction_low": unit_frac(unit_raw < lower),
         "rollout_is_oob_ratio": _masked_mean(rejected.astype(jnp.float32), maskf),
         "rollout_is_seq_masked_fraction": _safe_div(
@@ -310,7 +318,7 @@ def policy_loss(logp: Array, logp_old: Array, advantages: Array, mask: Array,
                 clip_low: float = 0.2, clip_high: float = 0.28,
                 dual_clip_c: Optional[float] = None, is_weights: Optional[Array] = None,
                 agg: str = "token-mean", loss_scale_factor: Optional[float] = None,
-                ) -> tuple[Array, Metrics]:
+                global_rows: bool = False) -> tuple[Array, Metrics]:
     """PPO-clip policy loss with clip-higher, optional dual clip and TIS weights (verl "vanilla").
 
     Per token, with r = exp(clamp(logp - logp_old, -20, 20)):
@@ -329,6 +337,7 @@ def policy_loss(logp: Array, logp_old: Array, advantages: Array, mask: Array,
       is_weights: optional [B, T] TIS weights (from :func:`tis_weights`); stop-gradient.
       agg: aggregation mode, see :func:`agg_loss`.
       loss_scale_factor: only for agg="seq-mean-token-sum-norm".
+      global_rows: seq-mean divisor convention, see :func:`agg_loss`.
 
     Returns:
       loss: 0-d float32 (to minimise).
@@ -368,7 +377,7 @@ def policy_loss(logp: Array, logp_old: Array, advantages: Array, mask: Array,
     if is_weights is not None:
         is_weights = _check_2d(fn, "is_weights", is_weights, shape)
         pg = pg * jax.lax.stop_gradient(is_weights)
-    loss = agg_loss(pg, maskf, agg, loss_scale_factor)
+    loss = agg_loss(pg, maskf, agg, loss_scale_factor, global_rows)
     sg = jax.lax.stop_gradient
     metrics = {
         "actor/pg_loss": sg(loss),
@@ -382,7 +391,7 @@ def policy_loss(logp: Array, logp_old: Array, advantages: Array, mask: Array,
 def grpo_loss(logp: Array, logp_old: Array, advantages: Array, mask: Array, *,
               clip_low: float = 0.2, clip_high: float = 0.28, dual_clip_c: Optional[float] = None,
               is_weights: Optional[Array] = None, agg: str = "token-mean",
-              loss_scale_factor: Optional[float] = None,
+              loss_scale_factor: Optional[float] = None, global_rows: bool = False,
               logp_ref: Optional[Array] = None, kl_coef: Union[float, Array] = 0.0,
               kl_kind: str = "k3", entropy: Optional[Array] = None,
               entropy_coef: Union[float, Array] = 0.0) -> tuple[Array, Metrics]:
@@ -407,20 +416,20 @@ def grpo_loss(logp: Array, logp_old: Array, advantages: Array, mask: Array, *,
     loss, metrics = policy_loss(logp, logp_old, advantages, mask, clip_low=clip_low,
                                 clip_high=clip_high, dual_clip_c=dual_clip_c,
                                 is_weights=is_weights, agg=agg,
-                                loss_scale_factor=loss_scale_factor)
+                                loss_scale_factor=loss_scale_factor, global_rows=global_rows)
     shape = jnp.shape(logp)
     maskf, maskb = _masks(fn, mask, shape)
     if logp_ref is not None:
         logp_ref = _check_2d(fn, "logp_ref", logp_ref, shape)
         # Zero masked positions first: padding log-probs may be inf/NaN.
         kld = kl_penalty(jnp.where(maskb, logp, 0.0), jnp.where(maskb, logp_ref, 0.0), kl_kind)
-        kl_loss = agg_loss(kld, maskf, agg, loss_scale_factor)
+        kl_loss = agg_loss(kld, maskf, agg, loss_scale_factor, global_rows)
         loss = loss + kl_coef * kl_loss
         metrics["actor/kl_loss"] = jax.lax.stop_gradient(kl_loss)
         metrics["actor/kl_coef"] = jnp.asarray(kl_coef, jnp.float32)
     if entropy is not None:
         entropy = _check_2d(fn, "entropy", entropy, shape)
-        ent = agg_loss(entropy, maskf, agg, loss_scale_factor)
+        ent = agg_loss(entropy, maskf, agg, loss_scale_factor, global_rows)
         loss = loss - entropy_coef * ent
         metrics["actor/entropy"] = jax.lax.stop_gradient(ent)
     return loss, metrics

@@ -1,16 +1,19 @@
-"""One compiled RL step: dense scoring, sparse-actor statistics, GRPO+TIS loss, optax update.
+"""One compiled RL step: dense scoring, sparse-actor statistics, PPO/GRPO+TIS updates.
 
 Everything a step does runs in a single ``jax.jit`` with the train state donated:
 
-1. dense policy (grad): hidden states -> per-token log-probs and entropy, chunked over the
-   sequence, never holding [B, L, V];
-2. TIS weights ``min(exp(logp_dense_old - logp_sampler), C)`` (on-policy: the old dense
-   policy is the current params, stop-gradient);
-3. GRPO/PPO loss (clip-higher, optional dual clip, aggregation modes), gradients
-   accumulated over micro-batches with ``lax.scan``, optax update;
+1. old policy (no grad): the params that produced the batch score it once -> ``logp_old``
+   (the PPO ratio's denominator for every update of the step); the reference policy too
+   when the KL term is on;
+2. TIS weights ``min(exp(logp_old - logp_sampler), C)`` and optional ratio masking, once;
+3. ``ppo_epochs`` x ``mini_batches`` optimiser updates in one ``lax.scan`` (GRPO/PPO loss
+   with clip-higher, dual clip, aggregation modes, KL to the reference, entropy bonus);
+   each mini-batch's gradient is accumulated over ``micro_batches`` chunks (memory only:
+   the update is the mini-batch's); an update whose loss or gradient is not finite is
+   skipped (params and optimiser state unchanged) and counted;
 4. sparse actor (no grad): teacher-forced sparse hidden states with the sampler's page
-   selection; exact per-token acceptance rate vs the dense policy; p5 and mean per
-   absolute-position bin of the query that produced the token (as calibration bins).
+   selection; exact per-token acceptance rate vs the dense policy that sampled; p5 and mean
+   per absolute-position bin of the query that produced the token (as calibration bins).
 """
 from __future__ import annotations
 
@@ -28,7 +31,7 @@ from sparrow_jax.models.config import Qwen3Config
 from sparrow_jax.models.lora import LoraConfig, with_lora
 from sparrow_jax.models.forward import dense_hidden, sparse_hidden, unembedding
 from sparrow_jax.models.scoring import token_logprobs
-from sparrow_jax.rl.losses import agg_loss, grpo_loss, kl_penalty, tis_weights
+from sparrow_jax.rl.losses import agg_loss, grpo_loss, kl_penalty, tis_weights, tis_weights_and_keep
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,11 +42,19 @@ class StepOptions:
     clip_high: float = 0.28
     dual_clip: float = 0.0  # 0 disables
     loss_agg: str = "token-mean"
+    global_rows: bool = False  # seq-mean divisor: all rows of the mini-batch (verl) vs non-empty rows
     tis_cap: float = 3.0  # 0 disables TIS
     tis_level: str = "token"
+    # (lo, hi): reject tokens / sequences whose ratio p_old / p_sampler is outside (None: off);
+    # the reciprocal of verl's rollout_rs k1 thresholds (see losses.tis_weights_and_keep)
+    tis_mask_bounds: Optional[tuple[float, float]] = None
     entropy_coef: float = 0.0
+    kl_coef: float = 0.0  # reference-KL coefficient (needs ref_params when > 0)
+    kl_kind: str = "k3"  # k1 | k2 | k3 (verl low_var_kl, clamped to [-10, 10])
     temperature: float = 1.0
-    micro_batches: int = 1
+    ppo_epochs: int = 1  # passes over the rollout batch
+    mini_batches: int = 1  # optimiser updates per epoch, each on 1 / mini_batches of the rows
+    micro_batches: int = 1  # gradient accumulation chunks of a mini-batch: bounds memory, same update
     remat: bool = False
     num_bins: int = 8  # position bins reported for alpha statistics (the last pools later positions)
     bin_width: int = 128
@@ -91,33 +102,112 @@ def init_train_state(params, optimizer: optax.GradientTransformation) -> TrainSt
     return TrainState(jnp.zeros((), jnp.int32), params, optimizer.init(params))
 
 
-def _micro_batch_weights(mask: jax.Array, loss_agg: str) -> jax.Array:
+def _micro_batch_weights(mask: jax.Array, loss_agg: str, global_rows: bool = False) -> jax.Array:
     """[n, b, T] micro-batch masks -> [n] weights that make the accumulated gradient equal the
-    full batch's: each micro-batch's share of the aggregation's denominator (its tokens for
-    token-mean, its non-empty rows for the seq-mean modes), uniform if the batch is empty."""
+    mini-batch's: each micro-batch's share of the aggregation's denominator (its tokens for
+    token-mean, its non-empty rows for the seq-mean modes, all its rows with ``global_rows``),
+    uniform if the mini-batch is empty."""
     if loss_agg == "token-mean":
         units = jnp.sum(mask, axis=(1, 2))
+    elif global_rows:
+        units = jnp.full(mask.shape[:1], mask.shape[1], jnp.float32)
     else:
         units = jnp.sum(jnp.any(mask > 0, axis=-1), axis=-1).astype(jnp.float32)
     total = jnp.sum(units)
     return jnp.where(total > 0, units / jnp.maximum(total, 1e-9), 1.0 / mask.shape[0])
 
 
-def _policy_loss(params, config: Qwen3Config, mb: Batch, opts: StepOptions):
+class _Rows(NamedTuple):
+    """What one optimiser update needs per row, fixed for the whole step."""
+
+    tokens: jax.Array  # int32 [B, T]
+    mask: jax.Array  # float32 [B, T] tokens in the loss (completion tokens minus rejected ones)
+    advantages: jax.Array  # float32 [B]
+    logp_old: jax.Array  # float32 [B, T] the policy that produced the batch (PPO ratio denominator)
+    is_weights: Optional[jax.Array]  # float32 [B, T] TIS weights vs that old policy, or None
+    logp_ref: Optional[jax.Array]  # float32 [B, T] reference policy (KL term), or None
+
+
+def _split_rows(x: jax.Array, *parts: int) -> jax.Array:
+    """[B, ...] -> [*parts, B / prod(parts), ...] (contiguous rows per part)."""
+    return x.reshape(*parts, -1, *x.shape[1:])
+
+
+def _no_grad_logprobs(config: Qwen3Config, params, tokens: jax.Array, chunks: int, opts: StepOptions,
+                      keep_hidden: bool):
+    """Log-probs (and final hidden states) of ``params`` on ``tokens``, ``chunks`` row chunks at a
+    time, without gradient. -> (logp [B, T], hidden [B, T, H] or None)"""
+    def one(tok):
+        hidden = dense_hidden(config, params, tok)
+        logp, _ = token_logprobs(hidden, unembedding(config, params), tok, opts.temperature, seq_chunk=opts.seq_chunk)
+        return logp, (hidden if keep_hidden else None)
+
+    logp, hidden = jax.lax.map(one, _split_rows(tokens, chunks))
+    merge = lambda x: None if x is None else x.reshape(-1, *x.shape[2:])
+    return jax.lax.stop_gradient(merge(logp)), jax.lax.stop_gradient(merge(hidden))
+
+
+def _policy_loss(params, config: Qwen3Config, mb: _Rows, opts: StepOptions):
     hidden = dense_hidden(config, params, mb.tokens, remat=opts.remat)
     logp, entropy = token_logprobs(hidden, unembedding(config, params), mb.tokens, opts.temperature,
                                    seq_chunk=opts.seq_chunk)
-    logp_old = jax.lax.stop_gradient(logp)
-    metrics = {}
-    weights = None
-    if opts.tis_cap > 0:
-        weights, metrics = tis_weights(logp_old, mb.logp_sampler, mb.mask, cap=opts.tis_cap, level=opts.tis_level)
-    loss, loss_metrics = grpo_loss(logp, logp_old, mb.advantages, mb.mask, clip_low=opts.clip_low,
-                                   clip_high=opts.clip_high, dual_clip_c=opts.dual_clip or None,
-                                   is_weights=weights, agg=opts.loss_agg, entropy=entropy,
-                                   entropy_coef=opts.entropy_coef)
-    metrics.update(loss_metrics)
-    return loss, (metrics, jax.lax.stop_gradient(hidden), logp_old)
+    return grpo_loss(logp, mb.logp_old, mb.advantages, mb.mask, clip_low=opts.clip_low, clip_high=opts.clip_high,
+                     dual_clip_c=opts.dual_clip or None, is_weights=mb.is_weights, agg=opts.loss_agg,
+                     global_rows=opts.global_rows, logp_ref=mb.logp_ref, kl_coef=opts.kl_coef, kl_kind=opts.kl_kind,
+                     entropy=entropy, entropy_coef=opts.entropy_coef)
+
+
+def _all_finite(tree) -> jax.Array:
+    return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)]))
+
+
+def _ppo_updates(params, opt_state, rows: _Rows, config: Qwen3Config, optimizer: optax.GradientTransformation,
+                 opts: StepOptions):
+    """``ppo_epochs`` x ``mini_batches`` optimiser updates in one ``lax.scan``.
+
+    Each update takes the gradient of one mini-batch (accumulated over ``micro_batches``
+    chunks, which only bounds memory) and applies it unless the loss or a gradient is not
+    finite: a skipped update leaves params and optimiser state as they were.
+    -> (params, opt_state, per-update metrics {name: [U]}, finite [U] bool)
+    """
+    m, n = opts.mini_batches, opts.micro_batches
+    minis = jax.tree.map(lambda x: _split_rows(x, m, n), rows)
+    grad_fn = jax.value_and_grad(_policy_loss, has_aux=True)
+
+    def update(carry, u):
+        params, opt_state = carry
+        mini = jax.tree.map(lambda x: x[u % m], minis)
+        weights = _micro_batch_weights(mini.mask, opts.loss_agg, opts.global_rows)
+
+        def accumulate(grads_acc, micro_and_weight):
+            micro, w = micro_and_weight
+            (loss, metrics), grads = grad_fn(params, config, micro, opts)
+            return jax.tree.map(lambda a, g: a + g * w, grads_acc, grads), (loss, metrics)
+
+        zeros = jax.tree.map(jnp.zeros_like, params)
+        grads, (losses, metrics) = jax.lax.scan(accumulate, zeros, (mini, weights))
+        loss = jnp.sum(losses * weights)
+        finite = jnp.isfinite(loss) & _all_finite(grads)
+        updates, new_opt_state = optimizer.update(grads, opt_state, params)
+        new_params = optax.apply_updates(params, updates)
+        keep_if_finite = lambda new, old: jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)
+        out = {k: jnp.sum(v * weights) for k, v in metrics.items()}
+        out.update({"loss": loss, "actor/grad_norm": optax.tree.norm(grads)})
+        return (keep_if_finite(new_params, params), keep_if_finite(new_opt_state, opt_state)), (out, finite)
+
+    (params, opt_state), (metrics, finite) = jax.lax.scan(update, (params, opt_state),
+                                                          jnp.arange(opts.ppo_epochs * m))
+    return params, opt_state, metrics, finite
+
+
+def _mean_over_finite_updates(metrics: dict, finite: jax.Array) -> dict:
+    """verl logs the mean of each actor metric over a step's mini-batch updates; skipped
+    (non-finite) updates are left out (NaN when all were skipped)."""
+    count = jnp.sum(finite)
+    mean = lambda v: jnp.where(count > 0, jnp.sum(jnp.where(finite, v, 0.0)) / jnp.maximum(count, 1), jnp.nan)
+    out = {k: mean(v) for k, v in metrics.items()}
+    out["actor/nonfinite_updates"] = jnp.sum(~finite).astype(jnp.float32)
+    return out
 
 
 def _alpha_stats(config, params, sparse_params, tokens, prompt_lens, hidden_dense, schedule, opts):
@@ -167,12 +257,12 @@ def _lora_loss(lora, base_params, config: Qwen3Config, lora_cfg: LoraConfig, bat
 
 @functools.partial(jax.jit, static_argnames=("config", "optimizer", "opts", "lora_cfg", "lora_optimizer",
                                              "distill"), donate_argnums=(0, 3))
-def train_step(state: TrainState, batch: Batch, sparse_params=None, lora_state: Optional[LoraState] = None, *,
-               config: Qwen3Config, optimizer: optax.GradientTransformation, schedule=None,
+def train_step(state: TrainState, batch: Batch, sparse_params=None, lora_state: Optional[LoraState] = None,
+               ref_params=None, *, config: Qwen3Config, optimizer: optax.GradientTransformation, schedule=None,
                opts: StepOptions = StepOptions(), lora_cfg: Optional[LoraConfig] = None,
                lora_optimizer: Optional[optax.GradientTransformation] = None,
-               distill: DistillOptions = DistillOptions()):
-    """One RL update. Returns (new_state, metrics) or, with ``lora_state``, (new_state, new_lora_state, metrics).
+               distill: DistillOptions = DistillOptions()) -> tuple[TrainState, Optional[LoraState], dict]:
+    """One RL step on a rollout batch. -> (new_state, new_lora_state or None, metrics)
 
     ``sparse_params`` are the sparse actor's params (defaults to the policy's); with
     ``schedule=None`` (dense rollouts) no sparse statistics are computed. The schedule is
@@ -180,32 +270,33 @@ def train_step(state: TrainState, batch: Batch, sparse_params=None, lora_state: 
     change within the bucket compiles nothing new. With
     ``lora_state`` (DistillSparse) the sparse actor is ``with_lora(params, lora)``: the
     policy gets gradients only from the dense PPO loss, the LoRA only from L_LoRA.
+    ``ref_params``: the reference policy of the KL term (required iff ``opts.kl_coef > 0``).
+    Metrics of the policy updates are means over the step's updates (verl).
     """
     b = batch.tokens.shape[0]
-    n = opts.micro_batches
-    if b % n:
-        raise ValueError(f"batch of {b} rows is not divisible by micro_batches={n}")
-    micro = jax.tree.map(lambda x: x.reshape(n, b // n, *x.shape[1:]), batch)
-    weights = _micro_batch_weights(micro.mask, opts.loss_agg)
-    grad_fn = jax.value_and_grad(_policy_loss, has_aux=True)
-
-    def accumulate(grads_acc, mb_and_weight):
-        mb, w = mb_and_weight
-        (loss, (metrics, hidden, logp)), grads = grad_fn(state.params, config, Batch(*mb), opts)
-        grads_acc = jax.tree.map(lambda a, g: a + g * w, grads_acc, grads)
-        return grads_acc, (loss, metrics, hidden)
-
-    zeros = jax.tree.map(jnp.zeros_like, state.params)
-    grads, (losses, metrics, hidden) = jax.lax.scan(accumulate, zeros, (tuple(micro), weights))
-    updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
-    params = optax.apply_updates(state.params, updates)
-
-    out = {k: jnp.sum(v * weights) for k, v in metrics.items()}
-    out["loss"] = jnp.sum(losses * weights)
-    out["actor/grad_norm"] = optax.tree.norm(grads)
+    chunks = opts.mini_batches * opts.micro_batches
+    if b % chunks:
+        raise ValueError(f"batch of {b} rows is not divisible by mini_batches * micro_batches = "
+                         f"{opts.mini_batches} * {opts.micro_batches}")
+    if (opts.kl_coef > 0) != (ref_params is not None):
+        raise ValueError(f"train_step: kl_coef={opts.kl_coef} needs ref_params exactly when kl_coef > 0")
+    # First pass, no grad: the policy that produced the batch (logp_old, also the TIS reference).
+    logp_old, hidden = _no_grad_logprobs(config, state.params, batch.tokens, chunks, opts, schedule is not None)
+    logp_ref = None if ref_params is None else _no_grad_logprobs(config, ref_params, batch.tokens, chunks, opts,
+                                                                 False)[0]
+    out, weights, loss_mask = {}, None, batch.mask
+    if opts.tis_cap > 0 or opts.tis_mask_bounds is not None:
+        weights, keep, out = tis_weights_and_keep(logp_old, batch.logp_sampler, batch.mask,
+                                                  cap=opts.tis_cap or None, level=opts.tis_level,
+                                                  mask_ratio_bounds=opts.tis_mask_bounds)
+        loss_mask = batch.mask * keep  # rejected tokens leave the loss and its denominator (verl rollout_rs)
+        weights = weights if opts.tis_cap > 0 else None
+    rows = _Rows(batch.tokens, loss_mask, batch.advantages, logp_old, weights, logp_ref)
+    params, opt_state, update_metrics, finite = _ppo_updates(state.params, state.opt_state, rows, config, optimizer,
+                                                             opts)
+    out.update(_mean_over_finite_updates(update_metrics, finite))
     new_lora_state = None
     if schedule is not None:
-        hidden = hidden.reshape(b, *hidden.shape[2:])
         if lora_state is not None:
             lora_grad = jax.value_and_grad(_lora_loss, has_aux=True)
 
@@ -213,13 +304,13 @@ def train_step(state: TrainState, batch: Batch, sparse_params=None, lora_state: 
                 updates, opt = lora_optimizer.update(grads, lora_st.opt_state, lora_st.lora)
                 return LoraState(optax.apply_updates(lora_st.lora, updates), opt)
 
-            (_, (dmetrics, alpha, kl, logp_old)), lora_grads = lora_grad(
+            (_, (dmetrics, alpha, kl, logp_sparse_old)), lora_grads = lora_grad(
                 lora_state.lora, state.params, config, lora_cfg, batch, hidden, schedule, opts, distill)
             new_lora_state = apply_lora_grads(lora_state, lora_grads)
 
             def another_update(lora_st: LoraState, _):  # PPO epochs of the LoRA on the same batch
                 _, grads = lora_grad(lora_st.lora, state.params, config, lora_cfg, batch, hidden, schedule, opts,
-                                     distill, logp_old)
+                                     distill, logp_sparse_old)
                 return apply_lora_grads(lora_st, grads), None
 
             if distill.updates > 1:
@@ -229,19 +320,24 @@ def train_step(state: TrainState, batch: Batch, sparse_params=None, lora_state: 
         else:
             sp = state.params if sparse_params is None else sparse_params
             alpha, kl = _alpha_stats(config, state.params, sp, batch.tokens, batch.prompt_lens, hidden, schedule, opts)
-        positions = jnp.broadcast_to(query_positions(batch.tokens.shape[1]), batch.tokens.shape)
-        mask = batch.mask > 0
-        p5, means, counts = binned_tail_jax(alpha, positions, mask, opts.num_bins, opts.bin_width, 5.0)
-        for i in range(opts.num_bins):
-            start = i * opts.bin_width
-            out[f"mismatch/alpha_p5/bin_{start}"] = p5[i]
-            out[f"mismatch/alpha_mean/bin_{start}"] = means[i]
-            out[f"mismatch/count/bin_{start}"] = counts[i]
-        denom = jnp.maximum(mask.sum(), 1)
-        out["mismatch/alpha_mean"] = jnp.sum(jnp.where(mask, alpha, 0)) / denom
-        out["mismatch/alpha_p5"] = binned_percentile_jax(alpha, jnp.zeros_like(positions), mask, 1, 1, 5.0)[0][0]
-        out["mismatch/kl_dense_sparse"] = jnp.sum(jnp.where(mask, kl, 0)) / denom
-    new_state = TrainState(state.step + 1, params, opt_state)
-    if lora_state is not None:
-        return new_state, new_lora_state, out
-    return new_state, out
+        out.update(_mismatch_metrics(alpha, kl, batch.mask > 0, opts))
+    return TrainState(state.step + 1, params, opt_state), new_lora_state, out
+
+
+def _mismatch_metrics(alpha: jax.Array, kl: jax.Array, mask: jax.Array, opts: StepOptions) -> dict:
+    """p5, mean and count of the acceptance rate per position bin (one binning rule for the
+    three, shared with calibration: by the producing query's position, the last bin pooling
+    later positions), and batch-wide summaries."""
+    positions = jnp.broadcast_to(query_positions(alpha.shape[1]), alpha.shape)
+    p5, means, counts = binned_tail_jax(alpha, positions, mask, opts.num_bins, opts.bin_width, 5.0)
+    out = {}
+    for i in range(opts.num_bins):
+        start = i * opts.bin_width
+        out[f"mismatch/alpha_p5/bin_{start}"] = p5[i]
+        out[f"mismatch/alpha_mean/bin_{start}"] = means[i]
+        out[f"mismatch/count/bin_{start}"] = counts[i]
+    denom = jnp.maximum(mask.sum(), 1)
+    out["mismatch/alpha_mean"] = jnp.sum(jnp.where(mask, alpha, 0)) / denom
+    out["mismatch/alpha_p5"] = binned_percentile_jax(alpha, jnp.zeros_like(positions), mask, 1, 1, 5.0)[0][0]
+    out["mismatch/kl_dense_sparse"] = jnp.sum(jnp.where(mask, kl, 0)) / denom
+    return out

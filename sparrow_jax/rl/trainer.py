@@ -28,7 +28,10 @@ from sparrow_jax.mismatch.calibrate import validate as validate_schedule
 from sparrow_jax.models.lora import LoraConfig, init_lora, with_lora
 from sparrow_jax.parallel import is_primary, make_mesh, mesh_context, shard_batch, shard_params, shard_train_state
 from sparrow_jax.rl.advantages import group_advantages
+from sparrow_jax.rl.collect import CollectOptions, collect_batch
 from sparrow_jax.rl.context import RunContext
+from sparrow_jax.rl.guards import assert_finite, nonfinite_streak
+from sparrow_jax.rl.long_cot import mask_truncated
 from sparrow_jax.rl.train_step import (Batch, DistillOptions, LoraState, StepOptions, TrainState, init_train_state,
                                        make_optimizer, train_step)
 from sparrow_jax.rollout import SparsitySchedule, generate
@@ -36,7 +39,7 @@ from sparrow_jax.rollout.schedule_control import (ControllerSettings, Controller
                                                   controller_topk, init_controller, topk_grid)
 
 if TYPE_CHECKING:
-    from sparrow_jax.run.specs import DistillSpec, RunSpec, ScheduleSpec
+    from sparrow_jax.run.specs import DistillSpec, RunSpec, ScheduleSpec, TrainSpec
 
 
 class LoopState(NamedTuple):
@@ -75,6 +78,7 @@ class Loop:
     distill: Optional[DistillOptions]
     pool: Optional[RewardPool] = None  # reward workers of a task that asks for them (closed by train)
     controller: Optional[ControllerSettings] = None  # schedule.kind = online: the per-bin p5 controller
+    ref_params: Any = None  # the KL reference (the initial policy), None when train.kl_coef == 0
 
 
 class TrainResult(NamedTuple):
@@ -86,11 +90,17 @@ class TrainResult(NamedTuple):
 
 # ---- rollouts ----------------------------------------------------------------------------
 
-def reward_pool(ctx: RunContext) -> Optional[RewardPool]:
-    """Worker processes for a task that asks for them (``use_reward_pool``: slow or unbounded verifiers)."""
+def reward_pool(ctx: RunContext, num_workers: int = 2, timeout_s: float = 5.0) -> Optional[RewardPool]:
+    """Worker processes for a task that asks for them (``use_reward_pool``: slow or unbounded verifiers);
+    an answer past ``timeout_s`` or a crash scores 0 and is counted."""
     if not ctx.task.use_reward_pool:
         return None
-    return RewardPool(ctx.task.reward, initializer=ctx.task.reward_pool_initializer)
+    return RewardPool(ctx.task.reward, num_workers, timeout_s, initializer=ctx.task.reward_pool_initializer)
+
+
+def pool_counts(pool: Optional[RewardPool]) -> np.ndarray:
+    """[timeouts, errors] so far (zeros without a pool)."""
+    return np.asarray([pool.num_timeouts, pool.num_errors] if pool is not None else [0, 0], np.float64)
 
 
 def score(ctx: RunContext, completions: list[str], examples: list[dict], pool: Optional[RewardPool] = None):
@@ -154,20 +164,31 @@ def _pad_batch(rollout, length_bucket: int = 64):
 
 # ---- set-up --------------------------------------------------------------------------------
 
+def step_options(tr: TrainSpec, temperature: float, bin_width: int, max_len: int) -> StepOptions:
+    masking = (tr.tis_mask_low, tr.tis_mask_high) if tr.tis_mask_high > 0 else None
+    return StepOptions(clip_low=tr.clip_low, clip_high=tr.clip_high, dual_clip=tr.dual_clip, loss_agg=tr.loss_agg,
+                       tis_cap=tr.tis_cap, tis_level=tr.tis_level, tis_mask_bounds=masking,
+                       global_rows=tr.seq_mean_rows == "all" or (tr.seq_mean_rows == "auto" and masking is not None),
+                       entropy_coef=tr.entropy_coef, kl_coef=tr.kl_coef, kl_kind=tr.kl_kind, temperature=temperature,
+                       ppo_epochs=tr.ppo_epochs, mini_batches=tr.mini_batches, micro_batches=tr.micro_batches,
+                       remat=tr.remat, num_bins=max(1, -(-max_len // bin_width)), bin_width=bin_width)
+
+
 def make_loop(spec: RunSpec, ctx: RunContext) -> Loop:
-    """The static half of a run: mesh, optimisers, step options, LoRA settings, reward pool."""
+    """The static half of a run: mesh, optimisers, step options, LoRA settings, reward pool, KL reference."""
     tr, bin_width = spec.train, (ctx.schedule or spec.schedule).bin_width
     max_len = max(len(ctx.encode(e)) for e in ctx.train_rows[:64]) + spec.rollout.max_new_tokens
-    opts = StepOptions(clip_low=tr.clip_low, clip_high=tr.clip_high, dual_clip=tr.dual_clip, loss_agg=tr.loss_agg,
-                       tis_cap=tr.tis_cap, tis_level=tr.tis_level, entropy_coef=tr.entropy_coef,
-                       temperature=spec.rollout.temperature, micro_batches=tr.micro_batches, remat=tr.remat,
-                       num_bins=max(1, -(-max_len // bin_width)), bin_width=bin_width)
+    opts = step_options(tr, spec.rollout.temperature, bin_width, max_len)
+    mesh = make_mesh(spec.mesh)
+    # the context's params are the initial policy and are never donated: the reference needs no copy
+    ref = shard_params(ctx.params, mesh, ctx.model_config) if tr.kl_coef > 0 else None
     d = spec.distill
     distill = DistillOptions(kl_coef=d.kl_coef, kl=d.kl, tis_cap=d.tis_cap, updates=d.updates_per_step)
     lora = (lora_config(d), make_optimizer(d.learning_rate, max_grad_norm=0.0), distill) if d.enabled else (None,) * 3
     controller = online_settings(spec.schedule, ctx.schedule, max_len) if spec.schedule.kind == "online" else None
-    return Loop(spec, ctx, make_mesh(spec.mesh), make_optimizer(tr.learning_rate, tr.max_grad_norm), opts, *lora,
-                pool=reward_pool(ctx), controller=controller)
+    return Loop(spec, ctx, mesh, make_optimizer(tr.learning_rate, tr.max_grad_norm), opts, *lora,
+                pool=reward_pool(ctx, spec.task.reward_workers, spec.task.reward_timeout_s), controller=controller,
+                ref_params=ref)
 
 
 def online_settings(s: ScheduleSpec, layout: SparsitySchedule, max_len: int) -> ControllerSettings:
@@ -215,6 +236,7 @@ def restore_or_init(loop: Loop, ckpt: CheckpointManager) -> LoopState:
 def save(ckpt: CheckpointManager, loop: Loop, state: LoopState) -> None:
     schedule = current_schedule(loop, state)
     meta = {"step": state.step, "seed": loop.spec.seed, "schedule": schedule.to_dict() if schedule else None}
+    assert_finite(state.train.params, f"params at step {state.step}")  # no checkpoint ever holds NaN / inf
     ckpt.save(state.step, {"loop": state, "meta": meta})
 
 
@@ -230,20 +252,38 @@ def next_examples(loop: Loop, state: LoopState) -> tuple[list[dict], jax.Array]:
     return examples, jnp.asarray([it.state()["epoch"], it.state()["index"]], jnp.int32)
 
 
+def collect_options(spec: RunSpec) -> CollectOptions:
+    r, tr = spec.rollout, spec.train
+    return CollectOptions(r.prompts_per_step, r.group_size, r.max_new_tokens, tr.overlong_buffer, tr.overlong_penalty,
+                          tr.mask_truncated, tr.dynamic_sampling, tr.dynamic_sampling_rounds)
+
+
 def collect(loop: Loop, state: LoopState, key) -> tuple[Batch, dict, jax.Array]:
-    """Sample a group of completions per prompt with the actor, score them; (batch, metrics, data)."""
+    """Sample a group of completions per prompt with the actor, score them, shape and filter the
+    groups (DAPO options); (batch, metrics, data position after the prompts used)."""
     t0 = time.perf_counter()
-    examples, data = next_examples(loop, state)
-    g = loop.spec.rollout.group_size
-    rollout, rewards = sample(loop.ctx, actor_params(loop, state), examples, key, g, current_schedule(loop, state),
-                              loop.pool)
+    g, actor, schedule = loop.spec.rollout.group_size, actor_params(loop, state), current_schedule(loop, state)
+    data = state.data
+
+    def sample_round(i: int):  # dynamic sampling draws further rounds of fresh prompts
+        nonlocal data
+        examples, data = next_examples(loop, state._replace(data=data))
+        before = pool_counts(loop.pool)
+        rollout, rewards = sample(loop.ctx, actor, examples, key if i == 0 else jax.random.fold_in(key, 3 + i), g,
+                                  schedule, loop.pool)
+        timeouts, errors = pool_counts(loop.pool) - before
+        return rollout, rewards, {"reward/timeouts": timeouts, "reward/errors": errors}
+
+    rollout, rewards, rows_in_loss, metrics = collect_batch(sample_round, collect_options(loop.spec))
     adv = group_advantages(jnp.asarray(rewards), g, mode=loop.spec.train.adv_mode)
-    batch = shard_batch(Batch(*_pad_batch(rollout), adv, rollout.prompt_lens), loop.mesh)
-    metrics = {"reward_mean": float(rewards.mean()), "critic/score/mean": float(rewards.mean()),
-               "response_length/mean": float(rollout.completion_mask.sum(axis=1).mean()),
-               "prompt_length/mean": float(np.mean(rollout.prompt_lens)),
-               "rollout/tokens_per_s": float(rollout.stats["decode_tokens"] / max(rollout.stats["decode_s"], 1e-9)),
-               "timing_s/gen": time.perf_counter() - t0}
+    tokens, mask, logp = _pad_batch(rollout)
+    batch = shard_batch(Batch(tokens, mask_truncated(mask, ~rows_in_loss), logp, adv, rollout.prompt_lens), loop.mesh)
+    metrics.update({"reward_mean": float(rewards.mean()), "critic/score/mean": float(rewards.mean()),
+                    "critic/advantages/max": float(jnp.max(adv)), "critic/advantages/min": float(jnp.min(adv)),
+                    "prompt_length/mean": float(np.mean(rollout.prompt_lens)),
+                    "rollout/tokens_per_s": float(rollout.stats["decode_tokens"]
+                                                  / max(rollout.stats["decode_s"], 1e-9)),
+                    "timing_s/gen": time.perf_counter() - t0})
     return batch, metrics, data
 
 
@@ -252,12 +292,9 @@ def update(loop: Loop, state: LoopState, batch: Batch) -> tuple[LoopState, dict]
     t0 = time.perf_counter()
     kw = dict(config=loop.ctx.model_config, optimizer=loop.optimizer, schedule=current_schedule(loop, state),
               opts=loop.opts)
-    if state.lora is None:
-        train, m = train_step(state.train, batch, **kw)
-        lora = None
-    else:
-        train, lora, m = train_step(state.train, batch, None, state.lora, lora_cfg=loop.lora_cfg,
-                                    lora_optimizer=loop.lora_optimizer, distill=loop.distill, **kw)
+    if state.lora is not None:
+        kw.update(lora_cfg=loop.lora_cfg, lora_optimizer=loop.lora_optimizer, distill=loop.distill)
+    train, lora, m = train_step(state.train, batch, None, state.lora, loop.ref_params, **kw)
     host = jax.device_get(m)  # one transfer for the whole metrics dict
     metrics = {k: float(v) for k, v in host.items() if np.isfinite(v) or "/bin_" not in k}  # empty bins: omit
     metrics["timing_s/update_actor"] = time.perf_counter() - t0
@@ -343,9 +380,10 @@ def _run(loop: Loop, progress: bool) -> TrainResult:
     state = restore_or_init(loop, ckpt)
     writer = MetricWriter(spec.workdir, resume_step=state.step, is_primary=is_primary())
     bar = ProgressBar(total=spec.steps, initial=state.step, desc="rl", disable=not progress)
-    history = []
+    history, streak = [], 0
     while state.step < spec.steps:
         state, metrics = rl_step(loop, state)
+        streak = nonfinite_streak(streak, metrics["actor/nonfinite_updates"], spec.train.max_nonfinite_steps)
         writer.write(state.step, metrics)
         history.append({"step": state.step, **metrics})
         bar.update(state.step, reward=metrics["reward_mean"], tok_s=metrics["rollout/tokens_per_s"])

@@ -44,6 +44,8 @@ class TaskSpec:
     num_eval: int
     seed: int
     key_len: int
+    reward_workers: int  # RewardPool processes (tasks that ask for a pool)
+    reward_timeout_s: float  # per-answer verifier timeout in the pool
 
 
 @_spec
@@ -112,10 +114,21 @@ class TrainSpec:
     loss_agg: str
     tis_cap: float
     tis_level: str
+    tis_mask_low: float  # ratio rejection bounds (both 0: off)
+    tis_mask_high: float
+    seq_mean_rows: str  # auto | valid | all
     kl_coef: float
     kl_kind: str
     entropy_coef: float
+    ppo_epochs: int
+    mini_batches: int
     micro_batches: int
+    overlong_buffer: int
+    overlong_penalty: float
+    mask_truncated: bool
+    dynamic_sampling: bool
+    dynamic_sampling_rounds: int
+    max_nonfinite_steps: int
     remat: bool
 
 
@@ -260,17 +273,21 @@ CHOICES = {
     "train.loss_agg": ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum"),
     "train.tis_level": ("token", "sequence"),
     "train.kl_kind": ("k1", "k2", "k3"),
+    "train.seq_mean_rows": ("auto", "valid", "all"),
     "distill.kl": ("exact", "exact_reverse", "k3"),
 }
 POSITIVE = ("steps", "checkpoint_every", "keep_checkpoints", "eval_k", "rollout.prompts_per_step",
             "rollout.group_size", "rollout.max_new_tokens", "schedule.page_size", "schedule.bin_width",
-            "train.micro_batches", "task.num_train", "task.num_eval", "mesh.data", "mesh.fsdp", "mesh.tensor",
+            "train.micro_batches", "train.ppo_epochs", "train.mini_batches", "task.reward_workers",
+            "task.reward_timeout_s", "task.num_train", "task.num_eval", "mesh.data", "mesh.fsdp", "mesh.tensor",
             "distill.eval_samples", "distill.updates_per_step", "distill.rank", "calibration.num_prompts",
             "calibration.samples_per_prompt", "calibration.validate_prompts", "schedule.online.up_levels",
             "schedule.online.down_levels", "schedule.online.min_tokens", "schedule.online.levels_per_octave")
 NON_NEGATIVE = ("eval_every", "rollout.temperature", "rollout.top_k", "schedule.topk", "schedule.reserved_first",
                 "schedule.reserved_last", "train.learning_rate", "train.max_grad_norm", "train.clip_low",
                 "train.clip_high", "train.dual_clip", "train.tis_cap", "train.kl_coef", "train.entropy_coef",
+                "train.tis_mask_low", "train.tis_mask_high", "train.overlong_buffer", "train.overlong_penalty",
+                "train.dynamic_sampling_rounds", "train.max_nonfinite_steps",
                 "distill.learning_rate", "distill.kl_coef", "distill.tis_cap", "distill.switch_topk",
                 "distill.switch_every", "calibration.min_count", "schedule.online.margin", "schedule.online.z",
                 "schedule.online.min_topk", "schedule.online.max_topk")
@@ -306,13 +323,15 @@ def validate(spec: RunSpec) -> None:
     _require(s.kind != "preset" or bool(s.preset), "schedule.preset", s.preset,
              "is required when schedule.kind='preset'")
     _require(s.kind != "json" or bool(s.path), "schedule.path", s.path, "is required when schedule.kind='json'")
-    _require((r.prompts_per_step * r.group_size) % spec.train.micro_batches == 0, "train.micro_batches",
-             spec.train.micro_batches, "must divide rollout.prompts_per_step * rollout.group_size")
+    tr = spec.train
+    _require((r.prompts_per_step * r.group_size) % (tr.mini_batches * tr.micro_batches) == 0, "train.mini_batches",
+             tr.mini_batches, f"times train.micro_batches={tr.micro_batches} must divide rollout.prompts_per_step * "
+             "rollout.group_size")
+    _require((tr.tis_mask_low, tr.tis_mask_high) == (0, 0) or tr.tis_mask_low < tr.tis_mask_high, "train.tis_mask_low",
+             tr.tis_mask_low, f"must be < train.tis_mask_high={tr.tis_mask_high} (both 0: no ratio masking)")
+    _require(tr.overlong_buffer < r.max_new_tokens, "train.overlong_buffer", tr.overlong_buffer,
+             "must be < rollout.max_new_tokens")
     _require(0 < spec.calibration.tau < 1, "calibration.tau", spec.calibration.tau, "must be in (0, 1)")
-    # No reference-policy KL term is wired into the train step yet: a non-zero value would
-    # silently do nothing, so it is refused (kl_kind only matters with kl_coef > 0).
-    _require(spec.train.kl_coef == 0, "train.kl_coef", spec.train.kl_coef,
-             "a KL-to-reference term is not implemented yet; set it to 0")
     _require(not spec.distill.enabled or s.kind != "dense", "distill.enabled", spec.distill.enabled,
              "DistillSparse needs sparse rollouts (schedule.kind != 'dense')")
     _require(bool(spec.distill.switch_topk) == bool(spec.distill.switch_every), "distill.switch_every",
