@@ -25,13 +25,13 @@ def test_every_shipped_config_parses_and_every_field_is_read(name):
 
 def test_a_field_no_code_reads_is_an_error():
     cfg = get_config()
-    cfg.train.ppo_epochs = 2
-    with pytest.raises(ConfigError, match=r"--config\.train\.ppo_epochs is read by no code"):
+    cfg.train.value_coef = 0.5  # a critic coefficient: GRPO has no critic
+    with pytest.raises(ConfigError, match=r"--config\.train\.value_coef is read by no code"):
         parse_spec(cfg)
 
 
 @pytest.mark.parametrize("field,value,match", [
-    ("train.kl_coef", 0.1, r"--config\.train\.kl_coef=0\.1: a KL-to-reference term is not implemented"),
+    ("train.mini_batches", 3, r"--config\.train\.mini_batches=3: times train\.micro_batches=1 must divide"),
     ("mesh.data", 0, r"--config\.mesh\.data=0: must be > 0"),
     ("schedule.kind", "sparse", r"--config\.schedule\.kind='sparse'"),
     ("calibration.tau", 1.5, r"--config\.calibration\.tau"),
@@ -62,7 +62,7 @@ def test_distill_with_dense_rollouts_is_refused():
 
 @pytest.mark.parametrize("override,match", [
     ("--config.train.ppo_epoch=2", "--config.train.ppo_epoch: unknown config field"),
-    ("--config.train.kl_coef=0.5", "--config.train.kl_coef=0.5"),
+    ("--config.train.kl_coef=-0.5", "--config.train.kl_coef=-0.5"),
     ("--config.train.clip_low=abc", "--config.train.clip_low=abc"),
 ])
 def test_entry_point_reports_a_bad_config_in_one_line(override, match, tmp_path):

@@ -23,7 +23,12 @@ def _parse_flags(argv: list[str]) -> list[str]:
     except flags.Error as e:
         _fail(str(e))
     except (AttributeError, KeyError) as e:  # ml_collections: an override of a field the config lacks
-        missing = str(e).strip("\"'")
+        # ml_collections wraps a KeyError in the AttributeError and may append "Did you mean ..."
+        # after the field's name: unwrap, keep the first line
+        arg = e
+        while isinstance(arg, BaseException) and arg.args:
+            arg = arg.args[0]
+        missing = str(arg).splitlines()[0].strip("\"'")
         bad = [a.split("=", 1)[0] for a in argv[1:]
                if a.startswith("--config.") and missing in a.split("=", 1)[0].split(".")]
         _fail(f"{bad[0] if bad else missing}: unknown config field ('{missing}' is not in the config)")
