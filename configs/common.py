@@ -84,6 +84,9 @@ def rollout_config() -> ConfigDict:
         top_p=1.0,  # nucleus truncation (1 disables)
         top_k=0,  # top-k truncation (0 disables)
         progress=False,  # print decode progress inside long generations
+        # auto: continuous batching (finished rows free their slot and pages) on one device, the
+        # fixed-batch sampler on a multi-device mesh (the page-pool kernel is not sharded yet)
+        engine="auto",  # auto | continuous | fixed
     ))
 
 

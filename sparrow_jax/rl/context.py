@@ -17,6 +17,8 @@ class RunContext:
     schedule: the sparse actor's schedule (None: dense rollouts).
     sampling: the rollout's sampling parameters (stop ids from the tokenizer).
     impl / decode_progress: sparse-attention implementation and decode progress printing.
+    engine: ``continuous`` (:func:`~sparrow_jax.rollout.engine.generate_continuous`) or ``fixed``
+      (:func:`~sparrow_jax.rollout.sampler.generate`); both return the same ``Rollout``.
     """
 
     model_config: Qwen3Config
@@ -29,6 +31,7 @@ class RunContext:
     sampling: SamplingParams
     impl: str = "auto"
     decode_progress: bool = False
+    engine: str = "continuous"
 
     def encode(self, example: dict) -> list[int]:
         """Prompt token ids of a task example."""

@@ -34,7 +34,7 @@ from sparrow_jax.rl.guards import assert_finite, nonfinite_streak
 from sparrow_jax.rl.long_cot import mask_truncated
 from sparrow_jax.rl.train_step import (Batch, DistillOptions, LoraState, StepOptions, TrainState, init_train_state,
                                        make_optimizer, train_step)
-from sparrow_jax.rollout import SparsitySchedule, generate
+from sparrow_jax.rollout import SparsitySchedule, generate, generate_continuous
 from sparrow_jax.rollout.schedule_control import (ControllerSettings, ControllerState, controller_step_jit,
                                                   controller_topk, init_controller, topk_grid)
 
@@ -114,8 +114,9 @@ def sample(ctx: RunContext, params, examples: list[dict], key, repeats: int, sch
            pool: Optional[RewardPool] = None):
     """``repeats`` completions per example with ``params`` under ``schedule``; (rollout, rewards [B])."""
     rows = [e for e in examples for _ in range(repeats)]
-    rollout = generate(ctx.model_config, params, [ctx.encode(e) for e in rows], key, ctx.sampling,
-                       schedule=schedule, impl=ctx.impl, pad_id=ctx.tokenizer.pad_id, progress=ctx.decode_progress)
+    engine = generate_continuous if ctx.engine == "continuous" else generate
+    rollout = engine(ctx.model_config, params, [ctx.encode(e) for e in rows], key, ctx.sampling,
+                     schedule=schedule, impl=ctx.impl, pad_id=ctx.tokenizer.pad_id, progress=ctx.decode_progress)
     completions = [ctx.tokenizer.decode(rollout.tokens[b, rollout.prompt_lens[b]:rollout.lengths[b]].tolist())
                    for b in range(len(rows))]
     return rollout, score(ctx, completions, rows, pool)

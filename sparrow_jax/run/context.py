@@ -73,6 +73,15 @@ def sampling_params(r: SamplingSpec, tokenizer) -> SamplingParams:
                           top_k=r.top_k, stop_ids=tuple(tokenizer.stop_ids))
 
 
+def rollout_engine(spec: RunSpec) -> str:
+    """``rollout.engine`` resolved: ``auto`` is continuous batching on one device and the
+    fixed-batch sampler on a multi-device mesh (the page-pool kernel is not sharded yet)."""
+    if spec.rollout.engine != "auto":
+        return spec.rollout.engine
+    devices = spec.mesh.data * spec.mesh.fsdp * spec.mesh.tensor
+    return "continuous" if devices == 1 else "fixed"
+
+
 _FROM_SPEC = "from spec"
 
 
@@ -87,4 +96,4 @@ def build_run_context(spec: RunSpec, schedule: Union[Optional[SparsitySchedule],
     train_rows, eval_rows = build_examples(spec.task, task)
     return RunContext(config, params, tokenizer, task, schedule, train_rows, eval_rows,
                       sampling_params(spec.rollout, tokenizer), impl=spec.schedule.impl,
-                      decode_progress=spec.rollout.progress)
+                      decode_progress=spec.rollout.progress, engine=rollout_engine(spec))

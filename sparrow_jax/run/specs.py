@@ -57,6 +57,7 @@ class SamplingSpec:
     top_p: float
     top_k: int
     progress: bool
+    engine: str  # auto | continuous | fixed
 
 
 @_spec
@@ -268,6 +269,7 @@ CHOICES = {
     "schedule.online.start": ("calibrated", "preset", "fixed", "dense"),
     "schedule.cost_hardware": ("H200", "H100", "TPU v5e", "TPU v6e", "cpu"),  # cost_model.HARDWARE (a test checks)
     "schedule.selector": ("centroid", "quest"),
+    "rollout.engine": ("auto", "continuous", "fixed"),
     "schedule.impl": ("auto", "reference", "xla", "cpu", "pallas_tpu", "pallas_gpu", "triton"),
     "train.adv_mode": ("grpo", "drgrpo"),
     "train.loss_agg": ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum"),
