@@ -24,6 +24,7 @@ from typing import Any, NamedTuple, Optional
 import jax
 import jax.numpy as jnp
 import optax
+from jax.experimental.shard_alike import shard_alike
 
 from sparrow_jax.mismatch.scorers import per_token_mismatch
 from sparrow_jax.mismatch.tail import binned_percentile_jax, binned_tail_jax, query_positions
@@ -294,6 +295,10 @@ def train_step(state: TrainState, batch: Batch, sparse_params=None, lora_state: 
     rows = _Rows(batch.tokens, loss_mask, batch.advantages, logp_old, weights, logp_ref)
     params, opt_state, update_metrics, finite = _ppo_updates(state.params, state.opt_state, rows, config, optimizer,
                                                              opts)
+    # The scan carry's layout is XLA's choice (on a mesh it may split a small norm weight that
+    # the input kept whole); pin the new state to the input's so the next step reuses this program.
+    params, opt_state = jax.tree.map(lambda new, old: shard_alike(new, old)[0], (params, opt_state),
+                                     (state.params, state.opt_state))
     out.update(_mean_over_finite_updates(update_metrics, finite))
     new_lora_state = None
     if schedule is not None:
