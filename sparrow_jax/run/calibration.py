@@ -39,8 +39,8 @@ def calibrate_run(spec: RunSpec, ctx: Optional[RunContext] = None, progress: boo
     """Calibrate the run's model (the same :func:`build_run_context` model RL will run).
 
     Prompts: ``calibration.num_prompts`` task prompts at :func:`context_lengths` (spread up to
-    ``task.context_tokens`` unless ``calibration.spread_prompts`` is False; seed ``task.seed + 1``), validated on ``calibration.validate_prompts``
-    fresh ones (seed ``task.seed + 2``). Returns dict: schedule, table, validation, per_budget,
+    ``task.context_tokens`` unless ``calibration.spread_prompts`` is False; seed ``task.seed + 1``),
+    validated on ``calibration.validate_prompts`` fresh ones (seed ``task.seed + 2``). Returns dict: schedule, table, validation, per_budget,
     flagged_bins, inherited_bins, schedule_path, table_path, png, seconds.
     """
     t0 = time.perf_counter()
