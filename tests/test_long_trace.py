@@ -1,6 +1,5 @@
 """Long-trace pieces: the sparse token share of a rollout, the report's per-bin table, the warm-up's
 long-trace settings and the shipped checkpoint."""
-import dataclasses
 import json
 import os
 
@@ -110,29 +109,3 @@ def test_warmup_on_pointer_trace_then_found_as_shipped(tmp_path, monkeypatch):
     first, second = (jax.tree_util.tree_leaves(load_hf(p)[1]) for p in (found, again))
     assert all(np.array_equal(np.asarray(x), np.asarray(y)) for x, y in zip(first, second))
 
-
-def test_long_trace_config_finds_its_shipped_checkpoint():
-    """configs/long_trace.py's warm-up ships: its settings hash names a checkpoint under
-    sparrow_jax/sft/checkpoints/ whose meta records the config's task knobs, training settings
-    and architecture, and which loads with the config's shapes."""
-    from configs.long_trace import get_config
-    from sparrow_jax.models.hf_io import load_hf
-    from sparrow_jax.models.qwen3 import init_params
-    from sparrow_jax.run.specs import parse_spec
-
-    spec = parse_spec(get_config())
-    config = W.warmup_architecture(spec.model)
-    key = W.warmup_key(config, W.task_knobs(spec.task), W.warmup_settings(spec.model))
-    path = W.shipped_checkpoint(key)
-    assert path is not None, f"no shipped warm-up with key {key} (retrain: experiments.warmup --noshipped)"
-    meta = W.read_warmup_meta(path)
-    assert meta["task"] == W.task_knobs(spec.task)
-    assert meta["train"] == {k: (list(v) if isinstance(v, tuple) else v)
-                             for k, v in dataclasses.asdict(W.warmup_settings(spec.model)).items()}
-    assert meta["accuracy_by_hops"] and meta["train_cpu_seconds"] > 0
-    size = sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path))
-    assert size <= 5 * 2 ** 20
-    loaded, params = load_hf(path)
-    assert loaded.num_hidden_layers == config.num_hidden_layers and loaded.hidden_size == config.hidden_size
-    want = jax.eval_shape(lambda: init_params(config, seed=0))
-    assert jax.tree_util.tree_map(lambda a: a.shape, params) == jax.tree_util.tree_map(lambda a: a.shape, want)
