@@ -98,6 +98,7 @@ def calibration_config() -> ConfigDict:
         samples_per_prompt=2,  # rollouts per calibration prompt
         validate_prompts=16,  # fresh prompts to validate the derived schedule
         percentile=5.0,  # tail percentile (the paper's p5)
+        spread_prompts=True,  # spread prompt lengths up to task.context_tokens (False: all at it; long completions)
         min_count=40,  # completion tokens a (budget, bin) cell needs before its percentile counts
     ))
 

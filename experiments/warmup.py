@@ -1,9 +1,10 @@
 """Warm-up SFT of the tiny model: ``python -m experiments.warmup --config configs/quickstart.py``.
 
-Trains (or finds in the cache) the tiny Qwen3 of ``model.tiny`` on the task's reference
-traces (settings: the optional ``model.warmup`` block, see
+Trains (or finds shipped or in the cache; ``--noshipped`` retrains a shipped one) the tiny
+Qwen3 of ``model.tiny`` on the task's reference traces (settings: the optional ``model.warmup`` block, see
 :func:`sparrow_jax.sft.warmup.warmup_model`), then prints the checkpoint directory, the
-greedy accuracy by context length and, with ``--sparse_check``, the greedy accuracy of
+greedy accuracy by context length (and by trace length with ``model.warmup.eval_hops``) and,
+with ``--sparse_check``, the greedy accuracy of
 sparse actors (fixed top-k from ``calibration.budgets``, the config's page size and dense
 layers) at the task's context: a too-sparse actor must fail. The last stdout line is JSON.
 """
@@ -18,6 +19,8 @@ from sparrow_jax.run.cli import config_main
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "run config file (configs/*.py)", lock_config=True)
 _SPARSE_CHECK = flags.DEFINE_bool("sparse_check", True, "also measure sparse actors' accuracy per top-k budget")
+_SHIPPED = flags.DEFINE_bool("shipped", True, "use a shipped checkpoint trained with the same settings "
+                             "(--noshipped: train from scratch into the cache, e.g. to reproduce it)")
 
 
 def main(spec):
@@ -27,8 +30,9 @@ def main(spec):
     from sparrow_jax.run.context import build_run_context, schedule_layout
 
     spec = dataclasses.replace(spec, model=dataclasses.replace(spec.model, source="warmup"))
-    ctx = build_run_context(spec, schedule=None)  # trains the warm-up model, or loads it from the cache
-    path = W.warmup_model(spec.model, spec.task, progress=False)  # cache hit: its directory
+    # Train (or find shipped / cached) first, so --noshipped retrains even when a checkpoint ships.
+    path = W.warmup_model(spec.model, spec.task, use_shipped=_SHIPPED.value)
+    ctx = build_run_context(spec, schedule=None)  # the run's model (for the sparse check)
     meta = W.read_warmup_meta(path)
     print(f"checkpoint: {path}")
     print(f"greedy accuracy by context length ({meta['eval_prompts']} held-out prompts each, "
@@ -36,9 +40,16 @@ def main(spec):
     print("  context  accuracy")
     for length, acc in meta["accuracy_by_length"].items():
         print(f"  {int(length):>7d}  {acc:.3f}")
+    if meta.get("accuracy_by_hops"):
+        print(f"greedy dense reward and share solved by trace length (hops), context "
+              f"{meta['task']['context_tokens']}:")
+        print("     hops  reward  solved")
+        for hops, v in meta["accuracy_by_hops"].items():
+            print(f"  {int(hops):>7d}  {v['reward']:.3f}   {v['solved']:.3f}")
     print(f"training: {meta['train']['steps']} steps, {meta['train_seconds']}s wall, "
           f"{meta['train_cpu_seconds']}s CPU, final reference NLL {meta['final_loss']}")
     summary = dict(path=path, accuracy_by_length=meta["accuracy_by_length"], accuracy=meta["accuracy"],
+                   accuracy_by_hops=meta.get("accuracy_by_hops", {}),
                    train_seconds=meta["train_seconds"], train_cpu_seconds=meta["train_cpu_seconds"])
     if _SPARSE_CHECK.value:
         s = spec.schedule

@@ -33,14 +33,19 @@ def crashing_reward(completion, example):
     return 1.0
 
 
-def _parse_prompt(prompt):
-    """Independent parser: ({key: value}, start, hops)."""
+def _parse_records(prompt):
+    """Independent parser: ({key: value}, the query line's words)."""
     records_line, query_line, tail = prompt.split("\n")
     assert tail == ""
     items = [r for r in records_line.split(";") if r]
     records = dict(item.split("=") for item in items)
     assert len(records) == len(items), "duplicate keys"
-    word, start, word2, hops = query_line.split(" ")
+    return records, query_line.split(" ")
+
+
+def _parse_prompt(prompt):
+    """Independent parser: ({key: value}, start, hops)."""
+    records, (word, start, word2, hops) = _parse_records(prompt)
     assert (word, word2) == ("start", "hops")
     return records, start, int(hops)
 
@@ -336,3 +341,79 @@ def test_register_custom_task():
     t = registry.get_task(name)
     assert t.reward("x", {"answer": "x"}) == 1.0 and t.reward("y", {"answer": "x"}) == 0.0
     assert t.generate is None
+
+
+# ---------------------------------------------------------------------------------------------
+# pointer_trace: long traces with partial credit
+# ---------------------------------------------------------------------------------------------
+
+TRACE_EXAMPLE = {  # hand-written: ab -> cd -> ef -> gh (terminal), a distractor ax=ab
+    "prompt": "cd=ef;ax=ab;ab=cd;ef=gh;gh=##;\nstart ab\n",
+    "reference": "ab=cd\ncd=ef\nef=gh\ngh=##\nanswer: gh",
+    "answer": "gh",
+}
+
+
+@pytest.mark.parametrize("completion, want", [
+    ("ab=cd\ncd=ef\nef=gh\ngh=##\nanswer: gh", 1.0),               # all 4 lines and the answer
+    ("ab=cd\ncd=ef\nef=gh\ngh=##\nanswer: gh<eos>junk", 1.0),      # text after <eos> ignored
+    ("ab=cd\ncd=ef\nef=gx\ngx=##\nanswer: gx", 0.5 * 2 / 4),       # third line wrong: 2 of 4, no answer
+    ("ab=cd\ncd=xx\nef=gh\ngh=##\nanswer: gh", 0.5 * 1 / 4 + 0.5), # a right line after an error counts 0
+    ("ab=cd\ncd=ef\n", 0.5 * 2 / 4),                                # stopped early, no answer line
+    ("ab=cd\ncd=ef\nef=gh\ngh=##<eos>\nanswer: gh", 0.5),          # the answer after <eos> does not count
+    ("answer: gh", 0.5),                                              # a guessed answer alone: half
+    (" ab=cd\ncd=ef \nef=gh\ngh=##\nanswer: gh", 1.0),             # spaces around a line ignored
+    ("ab=cd\ncd=ef\nef=gh\ngh=ax\nax=ab\nanswer: ab", 0.5 * 3 / 4),  # missed the terminal: ran on
+    ("", 0.0),
+])
+def test_pointer_trace_score_hand_checked(completion, want):
+    from sparrow_jax.data.tasks import pointer_trace as pt
+
+    assert pt.score(completion, TRACE_EXAMPLE) == pytest.approx(want)
+
+
+def _parse_trace_prompt(prompt):
+    """Independent parser: ({key: value}, start)."""
+    records, (word, start) = _parse_records(prompt)
+    assert word == "start"
+    return records, start
+
+
+def test_pointer_trace_generates_long_traces_with_the_prompt_length_knob():
+    from sparrow_jax.data.tasks import pointer_trace as pt
+    from sparrow_jax.models.tokenizer import BuiltinTokenizer
+
+    tok = BuiltinTokenizer()
+    for context in (400, 900):
+        for ex in pt.generate(3, seed=5, context_tokens=context, hops=40):
+            records, start = _parse_trace_prompt(ex["prompt"])
+            assert all(len(k) == 2 for k in records)                     # default 2-symbol keys
+            assert list(records.values()).count("##") == 1               # one terminal record
+            key, lines = start, []
+            while key != "##":                                           # follow the pointers by hand
+                lines.append(f"{key}={records[key]}")
+                last, key = key, records[key]
+                assert len(lines) <= len(records), "the chain must reach the terminal"
+            assert len(lines) == 41 == ex["meta"]["trace_lines"] and ex["answer"] == last
+            assert ex["reference"] == "\n".join(lines) + f"\nanswer: {last}"
+            assert pt.score(ex["reference"], ex) == 1.0
+            assert 0 <= context - len(tok.encode(ex["prompt"])) <= 12   # within two 6-token records
+            assert ex["meta"]["prompt_tokens"] == len(tok.encode(ex["prompt"]))
+            assert len(tok.encode(ex["reference"])) == 41 * 6 + 5        # 6 tokens a line, 'answer: xx'
+    # more hops than the records a context holds: the prompt grows to hold the chain
+    ex = pt.generate(1, seed=0, context_tokens=60, hops=30)[0]
+    assert len(_parse_trace_prompt(ex["prompt"])[0]) >= 31
+    assert pt.generate(2, seed=7, hops=8) == pt.generate(2, seed=7, hops=8)
+    with pytest.raises(ValueError, match="hops must be"):
+        pt.generate(1, seed=0, hops=0)
+
+
+def test_pointer_trace_in_registry():
+    from sparrow_jax.models.tokenizer import BuiltinTokenizer
+
+    task = registry.get_task("pointer_trace")
+    ex = task.generate(1, 3, context_tokens=200, hops=12)[0]
+    assert task.format_prompt(ex, BuiltinTokenizer()) == ex["prompt"]
+    assert task.reward(ex["reference"], ex) == 1.0
+    first_wrong = "zz" + ex["reference"][2:]
+    assert task.reward(first_wrong, ex) == 0.5                           # answer right, no line before an error

@@ -1,8 +1,9 @@
 """Task registry: a task name -> how to format its prompts, how to score completions, how to
 generate examples (synthetic tasks only).
 
-Built-ins: ``"pointer_chase"`` (synthetic, cheap in-process verifier), ``"pointer_chase_partial"``
-(the same with partial credit for untrained models) and ``"math"`` (prompts
+Built-ins: ``"pointer_chase"`` (synthetic, cheap in-process verifier; one short answer),
+``"pointer_chase_partial"`` (the same with partial credit for untrained models),
+``"pointer_trace"`` (the same prompts, the answer a long trace of every hop, partial credit) and ``"math"`` (prompts
 from a dataset, math-verify reward; run it through ``RewardPool`` so a pathological answer
 cannot hang training).
 """
@@ -12,7 +13,7 @@ import dataclasses
 from typing import TYPE_CHECKING, Any, Callable
 
 from sparrow_jax.data import rewards
-from sparrow_jax.data.tasks import pointer_chase
+from sparrow_jax.data.tasks import pointer_chase, pointer_trace
 
 if TYPE_CHECKING:
     from sparrow_jax.models.tokenizer import Tokenizer
@@ -104,5 +105,6 @@ def pointer_chase_partial_score(completion: str, example: dict) -> float:
 
 register_task("pointer_chase", pointer_chase_prompt, pointer_chase.score, pointer_chase.generate)
 register_task("pointer_chase_partial", pointer_chase_prompt, pointer_chase_partial_score, pointer_chase.generate)
+register_task("pointer_trace", pointer_chase_prompt, pointer_trace.score, pointer_trace.generate)
 register_task("math", math_prompt, rewards.math_reward_fn, None, use_reward_pool=True,
               reward_pool_initializer=rewards.warm_math_verify)

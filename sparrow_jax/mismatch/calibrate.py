@@ -260,6 +260,22 @@ def spread_context_lengths(context_tokens: int, n: int, min_context: int | None 
     return [int(round(lo + (context_tokens - lo) * i / (n - 1))) for i in range(n)]
 
 
+def sparse_token_fraction(schedule: SparsitySchedule | None, prompt_lens: np.ndarray,
+                          lengths: np.ndarray) -> float:
+    """Share of generated tokens whose KV budget was below their visible context.
+
+    Row ``b`` generates tokens ``prompt_lens[b] .. lengths[b] - 1``; token ``t`` comes from the
+    query at position ``t - 1``, which sees ``t`` tokens in ``ceil(t / page_size)`` pages and may
+    attend ``topk_at(t - 1) + reserved`` of them: sparse when that is fewer. 0 for dense rollouts.
+    """
+    prompt_lens, lengths = np.asarray(prompt_lens), np.asarray(lengths)
+    if schedule is None or int((lengths - prompt_lens).sum()) == 0:
+        return 0.0
+    t = np.concatenate([np.arange(p, n) for p, n in zip(prompt_lens, lengths)])
+    pages = -(-t // schedule.page_size)
+    return float(np.mean(schedule.topk_at(t - 1) + schedule.reserved < pages))
+
+
 def format_report(result: dict[str, Any]) -> str:
     """Human-readable table: p5 (and mean) per bin for every budget, the schedule, validation."""
     table, val = result["table"], result["validation"]

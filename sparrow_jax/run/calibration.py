@@ -17,23 +17,30 @@ from sparrow_jax.run.context import RunContext, build_run_context, schedule_layo
 from sparrow_jax.run.specs import RunSpec, TaskSpec
 
 
-def task_prompts(t: TaskSpec, ctx: RunContext, n: int, seed: int) -> tuple[list[dict], list[list[int]]]:
-    """``n`` task examples at context lengths spread up to ``t.context_tokens``, and their prompt ids."""
+def context_lengths(t: TaskSpec, n: int, spread: bool = True) -> list[int]:
+    """Context lengths of ``n`` calibration prompts: spread up to ``t.context_tokens`` (short
+    completions), else all at it (long completions cover the bins after a near-constant prompt)."""
+    return spread_context_lengths(int(t.context_tokens), n) if spread else [int(t.context_tokens)] * n
+
+
+def task_prompts(t: TaskSpec, ctx: RunContext, n: int, seed: int,
+                 spread: bool = True) -> tuple[list[dict], list[list[int]]]:
+    """``n`` task examples at :func:`context_lengths`, and their prompt ids."""
     if t.dataset or ctx.task.generate is None:
         raise ValueError(f"calibration generates its prompts: task {t.name!r} needs a generator and "
                          f"task.dataset must be empty (got {t.dataset!r})")
     examples = [ctx.task.generate(1, seed * 100_003 + i, context_tokens=c, hops=t.hops,
                                   distractor_frac=t.distractor_frac)[0]
-                for i, c in enumerate(spread_context_lengths(int(t.context_tokens), n))]
+                for i, c in enumerate(context_lengths(t, n, spread))]
     return examples, [ctx.encode(ex) for ex in examples]
 
 
 def calibrate_run(spec: RunSpec, ctx: Optional[RunContext] = None, progress: bool = True) -> dict[str, Any]:
     """Calibrate the run's model (the same :func:`build_run_context` model RL will run).
 
-    Prompts: ``calibration.num_prompts`` task prompts at context lengths spread up to
-    ``task.context_tokens`` (seed ``task.seed + 1``), validated on ``calibration.validate_prompts``
-    fresh ones (seed ``task.seed + 2``). Returns dict: schedule, table, validation, per_budget,
+    Prompts: ``calibration.num_prompts`` task prompts at :func:`context_lengths` (spread up to
+    ``task.context_tokens`` unless ``calibration.spread_prompts`` is False; seed ``task.seed + 1``),
+    validated on ``calibration.validate_prompts`` fresh ones (seed ``task.seed + 2``). Returns dict: schedule, table, validation, per_budget,
     flagged_bins, inherited_bins, schedule_path, table_path, png, seconds.
     """
     t0 = time.perf_counter()
@@ -45,8 +52,8 @@ def calibrate_run(spec: RunSpec, ctx: Optional[RunContext] = None, progress: boo
     if bad:
         raise ValueError(f"schedule.dense_layers {list(base.dense_layers)} name layers past the model's "
                          f"{config.num_hidden_layers}")
-    _, prompts = task_prompts(spec.task, ctx, cal.num_prompts, spec.task.seed + 1)
-    _, fresh = task_prompts(spec.task, ctx, cal.validate_prompts, spec.task.seed + 2)
+    _, prompts = task_prompts(spec.task, ctx, cal.num_prompts, spec.task.seed + 1, cal.spread_prompts)
+    _, fresh = task_prompts(spec.task, ctx, cal.validate_prompts, spec.task.seed + 2, cal.spread_prompts)
     key = jax.random.PRNGKey(spec.seed)
     if progress:
         print(f"[calibrate] {config.num_params():,} params ({spec.model.source}), {len(prompts)} prompts of "

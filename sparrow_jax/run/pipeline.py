@@ -17,6 +17,7 @@ import numpy as np
 
 from sparrow_jax.io import atomic_write_json
 from sparrow_jax.io.plots import plot_curves, plot_panels
+from sparrow_jax.mismatch.calibrate import sparse_token_fraction
 from sparrow_jax.parallel import is_primary
 from sparrow_jax.rl.trainer import TrainResult, actor_tail, evaluate, lora_config, merge_lora_actor, sample, train
 from sparrow_jax.run.calibration import calibrate_run
@@ -29,10 +30,11 @@ def _window_mean(values, n=3):
     return float(np.mean(values[:n])) if values else None
 
 
-def measure_rollout_speedup(ctx: RunContext, result: TrainResult, num_prompts: int = 4) -> dict:
-    """Dense vs sparse rollout of the same eval prompts with the final params, timed in one run."""
+def measure_rollout_speedup(ctx: RunContext, result: TrainResult, num_prompts: int = 8) -> dict:
+    """Dense vs sparse rollout of the same eval prompts with the final params, timed in one run;
+    ``sparse_token_fraction`` of the sparse rollout's generated tokens."""
     if result.schedule is None:
-        return {"rollout_speedup": 1.0}
+        return {"rollout_speedup": 1.0, "sparse_token_fraction": 0.0}
     rows, params = ctx.eval_rows[:num_prompts], result.state.train.params
     timings = {}
     for name, sched in (("dense", None), ("sparse", result.schedule)):
@@ -40,7 +42,8 @@ def measure_rollout_speedup(ctx: RunContext, result: TrainResult, num_prompts: i
         rollout, _ = sample(ctx, params, rows, jax.random.PRNGKey(1), 2, sched)
         timings[name] = rollout.stats["decode_tokens"] / max(rollout.stats["decode_s"], 1e-9)
     return {"rollout_speedup": timings["sparse"] / timings["dense"], "dense_tok_s": timings["dense"],
-            "sparse_tok_s": timings["sparse"]}
+            "sparse_tok_s": timings["sparse"],
+            "sparse_token_fraction": sparse_token_fraction(result.schedule, rollout.prompt_lens, rollout.lengths)}
 
 
 def _tail(spec: RunSpec, ctx: RunContext, params, schedule, actor_params=None) -> dict:
@@ -121,17 +124,23 @@ def run_study(spec: RunSpec) -> dict:
         ctx = build_run_context(arm_spec, calibrated) if arm == "calibrated" else build_run_context(arm_spec)
         arms[arm] = train(arm_spec, ctx).history
     steps = {a: [h["step"] for h in hist] for a, hist in arms.items()}
-    min_p5 = lambda h: min([v for k, v in h.items() if k.startswith("mismatch/alpha_p5/bin_")] or [np.nan])
-    panels = [("reward", "reward_mean", {a: (steps[a], [h["reward_mean"] for h in hist]) for a, hist in arms.items()}),
-              ("response length", "tokens", {a: (steps[a], [h["response_length/mean"] for h in hist])
-                                             for a, hist in arms.items()}),
-              ("min per-bin p5", "alpha p5", {a: (steps[a], [min_p5(h) for h in hist])
-                                              for a, hist in arms.items() if a != "dense"})]
+    series = lambda key: {a: (steps[a], [h.get(key, np.nan) for h in hist]) for a, hist in arms.items()}
+    sparse_arms = {a: hist for a, hist in arms.items() if a != "dense"}
+    bins = sorted({k.rsplit("_", 1)[1] for hist in sparse_arms.values() for h in hist for k in h
+                   if k.startswith("mismatch/alpha_p5/bin_")}, key=int)
+    per_bin_p5 = {f"{a} bin {b}": (steps[a], [h.get(f"mismatch/alpha_p5/bin_{b}", np.nan) for h in hist])
+                  for a, hist in sparse_arms.items() for b in bins}
+    panels = [("reward", "reward_mean", series("reward_mean")),
+              ("per-bin p5 (sparse arms)", "alpha p5", per_bin_p5),
+              ("mean alpha (sparse arms)", "alpha mean", {a: v for a, v in series("mismatch/alpha_mean").items()
+                                                          if a != "dense"}),
+              ("rollout seconds per step", "s", series("timing_s/gen"))]
     plot_panels(panels, os.path.join(spec.workdir, "study.png"))
     table = {a: {"reward_start": _window_mean([h["reward_mean"] for h in hist]),
                  "reward_end": _window_mean([h["reward_mean"] for h in hist][::-1]),
                  "min_p5": _min_p5(hist),
-                 "response_length_end": _window_mean([h["response_length/mean"] for h in hist][::-1])}
+                 "response_length_end": _window_mean([h["response_length/mean"] for h in hist][::-1]),
+                 "rollout_s_mean": float(np.mean([h["timing_s/gen"] for h in hist[1:]] or [np.nan]))}
              for a, hist in arms.items()}
     report = {"arms": table, "tau": spec.calibration.tau, "calibrated_topk": list(calibrated.topk),
               "aggressive_topk": spec.study.aggressive_topk, "steps": spec.steps}
@@ -142,12 +151,19 @@ def run_study(spec: RunSpec) -> dict:
     return report
 
 
-def _p5_by_bin(history) -> dict:
-    p5_keys = sorted((k for k in (history[-1] if history else {}) if k.startswith("mismatch/alpha_p5/bin_")),
-                     key=lambda k: int(k.rsplit("_", 1)[1]))
-    p5 = {k.rsplit("_", 1)[1]: _window_mean([h.get(k) for h in history if h.get(k) == h.get(k)], len(history))
-          for k in p5_keys}
-    return {k: v for k, v in p5.items() if v is not None}
+def p5_by_bin(history) -> list[dict]:
+    """Per position bin over the RL steps: ``{"bin_start", "p5", "mean", "count"}``, p5 and mean
+    of alpha averaged over steps weighted by the bin's tokens in each, count the tokens in all."""
+    starts = sorted({int(k.rsplit("_", 1)[1]) for h in history for k in h if k.startswith("mismatch/count/bin_")})
+    out = []
+    for s in starts:
+        rows = [(h[f"mismatch/count/bin_{s}"], h[f"mismatch/alpha_p5/bin_{s}"], h[f"mismatch/alpha_mean/bin_{s}"])
+                for h in history if h.get(f"mismatch/count/bin_{s}", 0) > 0 and f"mismatch/alpha_p5/bin_{s}" in h]
+        count = float(sum(c for c, _, _ in rows))
+        if count > 0:
+            out.append({"bin_start": s, "p5": sum(c * p for c, p, _ in rows) / count,
+                        "mean": sum(c * m for c, _, m in rows) / count, "count": int(count)})
+    return out
 
 
 def run_pipeline(spec: RunSpec) -> dict:
@@ -166,7 +182,9 @@ def run_pipeline(spec: RunSpec) -> dict:
     result = train(spec, ctx)
     rewards = [h["reward_mean"] for h in result.history]
     report = {"reward_start": _window_mean(rewards), "reward_end": _window_mean(rewards[::-1]),
-              "p5_by_bin": _p5_by_bin(result.history), "tau": spec.calibration.tau,
+              "p5_by_bin": p5_by_bin(result.history), "tau": spec.calibration.tau,
+              "completion_tokens_mean": (float(np.mean([h["response_length/mean"] for h in result.history]))
+                                         if result.history else None),
               "schedule": result.schedule.to_dict() if result.schedule is not None else "dense",
               "final_eval": result.final_eval, "steps": spec.steps}
     report.update(measure_rollout_speedup(ctx, result))
@@ -182,5 +200,6 @@ def run_pipeline(spec: RunSpec) -> dict:
         atomic_write_json(os.path.join(spec.workdir, "report.json"), report)
     print(f"[report] reward {report['reward_start']:.3f} -> {report['reward_end']:.3f}; "
           f"rollout speedup {report['rollout_speedup']:.2f}x; p5 by bin {report['p5_by_bin']}", flush=True)
-    print(json.dumps({k: report[k] for k in ("reward_start", "reward_end", "p5_by_bin", "tau", "rollout_speedup")}))
+    print(json.dumps({k: report[k] for k in ("reward_start", "reward_end", "p5_by_bin", "tau", "rollout_speedup",
+                                             "completion_tokens_mean", "sparse_token_fraction")}))
     return report

@@ -102,6 +102,7 @@ class CalibrationSpec:
     validate_prompts: int
     percentile: float
     min_count: int
+    spread_prompts: bool  # prompt lengths spread up to task.context_tokens (False: all at it)
 
 
 @_spec

@@ -20,6 +20,11 @@ The retrieval is only possible through attention: each record key is random, a h
 sits at a random depth of the context, and distractor keys differ from the chain's keys by
 one symbol. Greedy accuracy is reported by context length (the sampler's dense decode).
 
+Shipped checkpoints: ``sparrow_jax/sft/checkpoints/<name>/`` holds warm-up directories (same
+layout, ``key`` in the meta file) trained by this code; a run whose settings hash to a shipped
+key loads it instead of training, so every machine gets the same model. ``use_shipped=False``
+retrains from the settings (deterministic in them) into the cache.
+
 Cache layout (``cache_dir/warmup-<hash>/``): ``config.json`` + ``model.safetensors`` (see
 :func:`sparrow_jax.models.save_hf`) and ``sparrow_warmup.json`` (tokenizer name, task knobs,
 training settings, accuracy table, ``"complete": true``). The hash covers the architecture,
@@ -29,6 +34,7 @@ renamed when complete, so an interrupted warm-up is never mistaken for a finishe
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import os
@@ -77,6 +83,10 @@ class WarmupSettings:
       model has to generalise to the task's longer contexts).
     prompt_weight: weight of the prompt tokens' NLL next to the reference's (0: reference only).
     seed: parameter init and training-data seed.
+    max_train_hops: > 0 caps training hop counts at this (rows stay short; a task whose lines
+      need no counting, like pointer_trace, extends to longer chains); 0: no cap.
+    final_frac, final_batch_size: the last ``final_frac`` of the steps train on the task's own
+      context and hops (its longest distances), ``final_batch_size`` rows each (0: no such phase).
     """
 
     steps: int = 800
@@ -91,6 +101,9 @@ class WarmupSettings:
     max_train_context: int = 128
     prompt_weight: float = 0.0
     seed: int = 0
+    max_train_hops: int = 0
+    final_frac: float = 0.0
+    final_batch_size: int = 4
 
     def __post_init__(self):
         for name in ("steps", "batch_size", "min_context", "train_hops", "queries_per_example", "max_train_context"):
@@ -98,6 +111,11 @@ class WarmupSettings:
                 raise ValueError(f"warmup {name} must be positive, got {getattr(self, name)}")
         if not self.lr > 0:
             raise ValueError(f"warmup lr must be positive, got {self.lr}")
+        if int(self.max_train_hops) < 0 or int(self.final_batch_size) <= 0:
+            raise ValueError(f"warmup max_train_hops must be >= 0 and final_batch_size positive, got "
+                             f"{self.max_train_hops} and {self.final_batch_size}")
+        if not 0.0 <= self.final_frac < 1.0:
+            raise ValueError(f"warmup final_frac must be in [0, 1), got {self.final_frac}")
         if not 0.0 <= self.warmup_frac < 1.0:
             raise ValueError(f"warmup warmup_frac must be in [0, 1), got {self.warmup_frac}")
 
@@ -140,9 +158,17 @@ def prompt_ids(example: dict[str, Any], task_name: str, tokenizer) -> list[int]:
 
 
 def max_reference_tokens(knobs: dict[str, Any], hops: int | None = None) -> int:
-    """Upper bound on reference + <eos> tokens: one ``n:key=value`` line per hop + the answer line."""
-    k, h = knobs["key_len"], int(hops or knobs["hops"])
-    return h * (len(str(h)) + 2 * k + 3) + (k + 4) + 1
+    """Reference + <eos> tokens of a ``hops``-hop example (the task's line formats fix it: one
+    token per key symbol), measured on a generated example."""
+    return _reference_tokens(knobs["name"], int(knobs["key_len"]), float(knobs["distractor_frac"]),
+                             int(hops or knobs["hops"]))
+
+
+@functools.lru_cache(maxsize=64)
+def _reference_tokens(name: str, key_len: int, distractor_frac: float, hops: int) -> int:
+    knobs = dict(name=name, key_len=key_len, distractor_frac=distractor_frac, hops=hops)
+    example = generate_examples(knobs, 1, seed=0, context_tokens=1, hops=hops)[0]
+    return len(BuiltinTokenizer().encode(example["reference"])) + 1
 
 
 def sequence_length(knobs: dict[str, Any], hops: int | None = None) -> int:
@@ -217,7 +243,9 @@ def make_batch(examples: Sequence[dict[str, Any]], task_name: str, tokenizer,
 
 
 def train_hops(knobs: dict[str, Any], settings: WarmupSettings) -> int:
-    """Most hops a training question may have."""
+    """Most hops a training question may have (before the final phase)."""
+    if settings.max_train_hops > 0:
+        return int(settings.max_train_hops)
     return max(int(knobs["hops"]), int(settings.train_hops))
 
 
@@ -246,6 +274,21 @@ def training_batch(knobs: dict[str, Any], settings: WarmupSettings, step: int, t
         if settings.queries_per_example > 1:
             ex["extra_queries"] = extra_queries(ex, settings.queries_per_example - 1, h, rng)
         examples.append(ex)
+    return make_batch(examples, knobs["name"], tokenizer, seq_len)
+
+
+def final_phase_start(settings: WarmupSettings) -> int:
+    """First step of the final phase (rows at the task's own context and hops)."""
+    return settings.steps - int(round(settings.final_frac * settings.steps))
+
+
+def final_batch(knobs: dict[str, Any], settings: WarmupSettings, step: int, tokenizer,
+                seq_len: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Batch ``step`` of the final phase: ``final_batch_size`` fresh examples exactly as the task
+    poses them (its context and hops), laid out as :func:`make_batch`."""
+    rng = np.random.default_rng([settings.seed, _TRAIN_STREAM, step])
+    seeds = rng.integers(0, 2 ** 31 - 1, size=settings.final_batch_size)
+    examples = [generate_examples(knobs, 1, int(seed))[0] for seed in seeds]
     return make_batch(examples, knobs["name"], tokenizer, seq_len)
 
 
@@ -301,10 +344,10 @@ def make_train_step(config: Qwen3Config, optimizer: optax.GradientTransformation
 
 # ---- evaluation -------------------------------------------------------------------------
 
-def greedy_accuracy(config: Qwen3Config, params: Params, examples: Sequence[dict[str, Any]],
-                    task_name: str, tokenizer, max_new_tokens: int, batch_size: int = 32,
-                    schedule=None) -> float:
-    """Share of examples whose greedy completion earns reward 1 (dense, or sparse with ``schedule``)."""
+def greedy_rewards(config: Qwen3Config, params: Params, examples: Sequence[dict[str, Any]],
+                   task_name: str, tokenizer, max_new_tokens: int, batch_size: int = 32,
+                   schedule=None) -> np.ndarray:
+    """Task reward of each example's greedy completion, float [n] (dense, or sparse with ``schedule``)."""
     task = get_task(task_name)
     sampling = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0, stop_ids=tokenizer.stop_ids)
     rewards = []
@@ -316,7 +359,15 @@ def greedy_accuracy(config: Qwen3Config, params: Params, examples: Sequence[dict
         for b, ex in enumerate(chunk):
             text = tokenizer.decode(out.tokens[b, out.prompt_lens[b]:out.lengths[b]])
             rewards.append(task.reward(text, ex))
-    return float(np.mean(rewards))
+    return np.asarray(rewards, np.float64)
+
+
+def greedy_accuracy(config: Qwen3Config, params: Params, examples: Sequence[dict[str, Any]],
+                    task_name: str, tokenizer, max_new_tokens: int, batch_size: int = 32,
+                    schedule=None) -> float:
+    """Mean task reward of greedy completions (pointer_chase: the share answered exactly)."""
+    return float(np.mean(greedy_rewards(config, params, examples, task_name, tokenizer, max_new_tokens,
+                                        batch_size, schedule)))
 
 
 def default_eval_lengths(context_tokens: int) -> list[int]:
@@ -338,6 +389,21 @@ def accuracy_by_length(config: Qwen3Config, params: Params, knobs: dict[str, Any
     return out
 
 
+def accuracy_by_hops(config: Qwen3Config, params: Params, knobs: dict[str, Any], hops: Sequence[int],
+                     num_prompts: int = 32, seed: int = 0) -> dict[int, dict[str, float]]:
+    """Greedy dense quality at the task's context per trace length (hops): ``reward`` (mean task
+    reward, partial credit for pointer_trace) and ``solved`` (share with reward 1)."""
+    tok = BuiltinTokenizer()
+    out = {}
+    for h in hops:
+        examples = generate_examples(knobs, num_prompts, seed=int(_EVAL_STREAM + 7919 * seed + 104_729 * int(h)),
+                                     hops=int(h))
+        r = greedy_rewards(config, params, examples, knobs["name"], tok,
+                           max_new_tokens=max_reference_tokens(knobs, h) + 4)
+        out[int(h)] = dict(reward=float(r.mean()), solved=float((r >= 1.0).mean()))
+    return out
+
+
 # ---- cache --------------------------------------------------------------------------------
 
 def warmup_key(config: Qwen3Config, knobs: dict[str, Any], settings: WarmupSettings) -> str:
@@ -345,6 +411,20 @@ def warmup_key(config: Qwen3Config, knobs: dict[str, Any], settings: WarmupSetti
     blob = json.dumps(dict(format=FORMAT, arch=dataclasses.asdict(config), task=knobs,
                            train=dataclasses.asdict(settings)), sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+SHIPPED_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "checkpoints")
+
+
+def shipped_checkpoint(key: str, root: str = SHIPPED_DIR) -> str | None:
+    """The shipped warm-up directory whose meta ``key`` is ``key``, else None."""
+    if not os.path.isdir(root):
+        return None
+    for name in sorted(os.listdir(root)):
+        path = os.path.join(root, name)
+        if is_complete(path) and read_warmup_meta(path).get("key") == key:
+            return path
+    return None
 
 
 def is_complete(path: str) -> bool:
@@ -368,13 +448,18 @@ def read_warmup_meta(path: str) -> dict[str, Any]:
         return json.load(f)
 
 
+# model.warmup fields that are not training settings (not in the cache hash): where the cache lives
+# and what the final evaluation measures (context lengths, trace lengths, prompts per entry).
+_NOT_HASHED = ("cache_dir", "eval_lengths", "eval_hops", "eval_prompts")
+
+
 def warmup_settings(model: ModelSpec, **overrides: Any) -> WarmupSettings:
     """Settings from the ``model.warmup`` block (may be empty), then ``overrides`` that are not None."""
     fields = {f.name for f in dataclasses.fields(WarmupSettings)}
     block = model.warmup
-    unknown = sorted(set(block) - fields - {"cache_dir"})
+    unknown = sorted(set(block) - fields - set(_NOT_HASHED))
     if unknown:
-        raise ValueError(f"model.warmup has unknown field(s) {unknown}; known: {sorted(fields | {'cache_dir'})}")
+        raise ValueError(f"model.warmup has unknown field(s) {unknown}; known: {sorted(fields | set(_NOT_HASHED))}")
     kw = {k: v for k, v in dict(block).items() if k in fields}
     kw.update({k: v for k, v in overrides.items() if v is not None})
     return WarmupSettings(**kw)
@@ -383,7 +468,8 @@ def warmup_settings(model: ModelSpec, **overrides: Any) -> WarmupSettings:
 def warmup_model(model: ModelSpec, task: TaskSpec, cache_dir: str | None = None,
                  steps: int | None = None, batch_size: int | None = None, lr: float | None = None,
                  seed: int | None = None, progress: bool = True, min_context: int | None = None,
-                 eval_lengths: Sequence[int] | None = None, eval_prompts: int = 64) -> str:
+                 eval_lengths: Sequence[int] | None = None, eval_prompts: int | None = None,
+                 use_shipped: bool = True) -> str:
     """Train (or find in the cache) a tiny Qwen3 that solves the task; returns its HF directory.
 
     Args:
@@ -397,60 +483,81 @@ def warmup_model(model: ModelSpec, task: TaskSpec, cache_dir: str | None = None,
         or ``runs/cache``).
       steps, batch_size, lr, seed, min_context: override the settings (None: config / default).
       eval_lengths: context lengths of the final greedy-accuracy table (default:
-        :func:`default_eval_lengths`); eval_prompts: held-out prompts per length.
-    A complete cached directory is returned at once, without training or evaluating.
+        ``model.warmup.eval_lengths`` or :func:`default_eval_lengths`); eval_prompts: held-out
+        prompts per entry (default ``model.warmup.eval_prompts`` or 64). ``model.warmup.eval_hops``
+        adds a table by trace length at the task's context (:func:`accuracy_by_hops`).
+      use_shipped: return a shipped checkpoint with the same settings hash (see the module
+        docstring) instead of training.
+    A complete cached (or shipped) directory is returned at once, without training or evaluating.
     """
     config = warmup_architecture(model)
     knobs = task_knobs(task)
     settings = warmup_settings(model, steps=steps, batch_size=batch_size, lr=lr, seed=seed,
                                min_context=min_context)
-    if cache_dir is None:
-        cache_dir = model.warmup.get("cache_dir", DEFAULT_CACHE_DIR)
-    path = os.path.join(cache_dir, f"warmup-{warmup_key(config, knobs, settings)}")
-    if is_complete(path):
-        if progress:
-            print(f"[warmup] cached: {path}", flush=True)
-        return path
+    block = model.warmup
+    cache_dir = block.get("cache_dir", DEFAULT_CACHE_DIR) if cache_dir is None else cache_dir
+    eval_lengths = eval_lengths if eval_lengths is not None else (list(block.get("eval_lengths", ())) or None)
+    eval_prompts = int(eval_prompts if eval_prompts is not None else block.get("eval_prompts", 64))
+    key = warmup_key(config, knobs, settings)
+    path = os.path.join(cache_dir, f"warmup-{key}")
+    shipped = shipped_checkpoint(key, SHIPPED_DIR) if use_shipped else None
+    for found in (shipped, path if is_complete(path) else None):
+        if found:
+            if progress:
+                print(f"[warmup] {'shipped' if found == shipped else 'cached'}: {found}", flush=True)
+            return found
 
     tok = BuiltinTokenizer()
-    seq_len = training_length(knobs, settings)
+    seq_len, final_len = training_length(knobs, settings), sequence_length(knobs)
+    final_start = final_phase_start(settings)
     optimizer = make_optimizer(settings)
     train_step = make_train_step(config, optimizer, settings.prompt_weight)
     params = init_params(config, seed=settings.seed)
     opt_state = optimizer.init(params)
     if progress:
         print(f"[warmup] training {config.num_params():,} params, {settings.steps} steps x {settings.batch_size} "
-              f"rows x {seq_len} tokens -> {path}", flush=True)
+              f"rows x {seq_len} tokens (from step {final_start}: {settings.final_batch_size} x {final_len}) "
+              f"-> {path}", flush=True)
     t0, c0 = time.perf_counter(), time.process_time()
     losses = []
     for step in range(settings.steps):
-        tokens, mask, prompt_mask = training_batch(knobs, settings, step, tok, seq_len)
+        if step < final_start:
+            tokens, mask, prompt_mask = training_batch(knobs, settings, step, tok, seq_len)
+        else:  # a second compiled shape: the task's own rows
+            tokens, mask, prompt_mask = final_batch(knobs, settings, step, tok, final_len)
         params, opt_state, loss = train_step(params, opt_state, jnp.asarray(tokens), jnp.asarray(mask),
                                              jnp.asarray(prompt_mask))
-        if step % 50 == 0 or step == settings.steps - 1:
+        if step % 25 == 0 or step == settings.steps - 1:
             losses.append((step, round(float(loss), 4)))
             if progress:
-                print(f"[warmup] step {step} loss {float(loss):.4f} ({time.perf_counter() - t0:.0f}s)", flush=True)
+                print(f"[warmup] step {step} loss {float(loss):.4f} ({time.perf_counter() - t0:.0f}s wall, "
+                      f"{time.process_time() - c0:.0f}s CPU)", flush=True)
     jax.block_until_ready(params)
     train_s, train_cpu_s = time.perf_counter() - t0, time.process_time() - c0
 
     lengths = list(eval_lengths) if eval_lengths is not None else default_eval_lengths(knobs["context_tokens"])
     t1 = time.perf_counter()
     acc = accuracy_by_length(config, params, knobs, lengths, num_prompts=eval_prompts, seed=settings.seed)
+    by_hops = accuracy_by_hops(config, params, knobs, list(block.get("eval_hops", ())), num_prompts=eval_prompts,
+                               seed=settings.seed)
     eval_s = time.perf_counter() - t1
     if progress:
         print("[warmup] greedy accuracy by context length: "
               + ", ".join(f"{k}: {v:.2f}" for k, v in acc.items()), flush=True)
+        if by_hops:
+            print("[warmup] greedy reward / solved by hops: "
+                  + ", ".join(f"{h}: {v['reward']:.2f}/{v['solved']:.2f}" for h, v in by_hops.items()), flush=True)
 
     # Build under a temporary name, rename when complete: never a half-written cache entry.
     tmp = f"{path}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     save_hf(tmp, config, params)
-    meta = dict(format=FORMAT, complete=True, tokenizer=TOKENIZER_NAME, task=knobs,
+    meta = dict(format=FORMAT, complete=True, key=key, tokenizer=TOKENIZER_NAME, task=knobs,
                 train=dataclasses.asdict(settings), seq_len=seq_len, num_params=config.num_params(),
                 train_seconds=round(train_s, 1), train_cpu_seconds=round(train_cpu_s, 1), eval_seconds=round(eval_s, 1),
                 final_loss=losses[-1][1] if losses else None, loss_curve=losses,
                 accuracy_by_length={str(k): v for k, v in acc.items()},
+                accuracy_by_hops={str(k): v for k, v in by_hops.items()},
                 accuracy=acc.get(knobs["context_tokens"], float(np.mean(list(acc.values())))),
                 eval_prompts=eval_prompts)
     with open(os.path.join(tmp, META_FILE), "w") as f:

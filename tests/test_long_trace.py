@@ -1,0 +1,111 @@
+"""Long-trace pieces: the sparse token share of a rollout, the report's per-bin table, the warm-up's
+long-trace settings and the shipped checkpoint."""
+import json
+import os
+
+import jax
+import numpy as np
+import pytest
+
+from sparrow_jax.sft import warmup as W
+from sparrow_jax.mismatch.calibrate import sparse_token_fraction
+from sparrow_jax.rollout import SparsitySchedule
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_sparse_token_fraction_by_hand():
+    # pages of 4 tokens, 1 + 1 reserved pages; top-k 1 below position 16, then 3
+    s = SparsitySchedule(topk=(1, 3), bin_width=16, page_size=4, reserved_first=1, reserved_last=1,
+                         dense_layers=(0,))
+    # row 0 generates tokens 8..11: queries 7..10 see 8..11 tokens = 2..3 pages, budget 3 pages: none sparse
+    # row 1 generates tokens 12..19: queries 11..18 see 12..19 tokens = 3,4,4,4,4,5,5,5 pages;
+    #   budget 3 pages for queries < 16 (tokens 12..16: 3,4,4,4,4 -> 4 sparse), 5 pages after (none)
+    got = sparse_token_fraction(s, np.array([8, 12]), np.array([12, 20]))
+    assert got == pytest.approx(4 / 12)
+    assert sparse_token_fraction(None, np.array([8]), np.array([12])) == 0.0
+    assert sparse_token_fraction(s, np.array([8]), np.array([8])) == 0.0
+
+
+def test_report_p5_by_bin_pools_steps_by_tokens():
+    from sparrow_jax.run.pipeline import p5_by_bin
+
+    history = [{"mismatch/alpha_p5/bin_0": 0.9, "mismatch/alpha_mean/bin_0": 0.99, "mismatch/count/bin_0": 100.0,
+                "mismatch/alpha_p5/bin_128": 0.5, "mismatch/alpha_mean/bin_128": 0.9, "mismatch/count/bin_128": 10.0},
+               {"mismatch/alpha_p5/bin_0": 0.6, "mismatch/alpha_mean/bin_0": 0.95, "mismatch/count/bin_0": 300.0,
+                "mismatch/count/bin_128": 0.0}]
+    got = p5_by_bin(history)
+    assert [r["bin_start"] for r in got] == [0, 128]
+    assert got[0]["p5"] == pytest.approx((0.9 * 100 + 0.6 * 300) / 400) and got[0]["count"] == 400
+    assert got[0]["mean"] == pytest.approx((0.99 * 100 + 0.95 * 300) / 400)
+    assert got[1] == {"bin_start": 128, "p5": 0.5, "mean": 0.9, "count": 10}
+
+
+def test_calibration_prompt_lengths_spread_or_constant():
+    from configs.long_trace import get_config
+    from sparrow_jax.run.calibration import context_lengths
+    from sparrow_jax.run.specs import parse_spec
+
+    spec = parse_spec(get_config())
+    assert spec.calibration.spread_prompts is False and spec.task.key_len == 2
+    assert context_lengths(spec.task, 3, spread=False) == [spec.task.context_tokens] * 3
+    got = context_lengths(spec.task, 3, spread=True)
+    assert got[-1] == spec.task.context_tokens and got[0] < got[1] < got[2]
+
+
+def test_warmup_long_trace_rows_and_final_phase():
+    from sparrow_jax.models.tokenizer import BuiltinTokenizer
+
+    tok = BuiltinTokenizer()
+    knobs = dict(name="pointer_trace", context_tokens=300, hops=40, distractor_frac=0.5, key_len=2)
+    settings = W.WarmupSettings(steps=10, batch_size=3, min_context=32, max_train_context=64, max_train_hops=6,
+                                queries_per_example=1, final_frac=0.2, final_batch_size=2)
+    assert W.max_reference_tokens(knobs) == 41 * 6 + 5 + 1       # 41 lines of 6 tokens, answer, <eos>
+    seq_len = W.training_length(knobs, settings)
+    tokens, ref_mask, _ = W.training_batch(knobs, settings, 0, tok, seq_len)
+    for b in range(3):                                            # short rows: <= 6 hops -> <= 7 lines
+        lines = tok.decode(tokens[b][ref_mask[b]]).split("\n")
+        assert 2 <= len(lines) - 1 <= 7 and lines[-1].startswith("answer: ")
+    assert W.final_phase_start(settings) == 8
+    final = W.final_batch(knobs, settings, 8, tok, W.sequence_length(knobs))[1]
+    assert final.shape[0] == 2 and (final.sum(axis=1) == 41 * 6 + 5 + 1).all()  # the task's own 40 hops
+    with pytest.raises(ValueError, match="final_frac"):
+        W.WarmupSettings(final_frac=1.0)
+
+
+def test_warmup_on_pointer_trace_then_found_as_shipped(tmp_path, monkeypatch):
+    import shutil
+
+    from configs.common import base_config
+    from ml_collections import ConfigDict
+
+    from sparrow_jax.models.hf_io import load_hf
+    from sparrow_jax.run.specs import parse_spec
+
+    cfg = base_config()
+    cfg.model.tiny = ConfigDict(dict(vocab_size=128, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                                     num_key_value_heads=1, head_dim=16, intermediate_size=64,
+                                     tie_word_embeddings=True, rope_theta=10000.0, max_position_embeddings=1024))
+    cfg.model.warmup = ConfigDict(dict(steps=2, batch_size=2, min_context=32, max_train_context=48, max_train_hops=3,
+                                       queries_per_example=1, final_frac=0.5, final_batch_size=1, eval_hops=(2,)))
+    cfg.task.name, cfg.task.context_tokens, cfg.task.hops, cfg.task.key_len = "pointer_trace", 48, 4, 2
+    spec = parse_spec(cfg)
+    m, t = spec.model, spec.task
+    monkeypatch.setattr(W, "SHIPPED_DIR", str(tmp_path / "shipped"))
+    path = W.warmup_model(m, t, cache_dir=str(tmp_path / "cache"), progress=False, eval_lengths=[48],
+                          eval_prompts=1)
+    meta = W.read_warmup_meta(path)
+    assert meta["task"] == dict(name="pointer_trace", context_tokens=48, hops=4, distractor_frac=0.5, key_len=2)
+    assert set(meta["accuracy_by_hops"]["2"]) == {"reward", "solved"}
+    assert meta["key"] == os.path.basename(path).split("-", 1)[1]
+    shutil.copytree(path, tmp_path / "shipped" / "tiny_trace")
+    shutil.rmtree(path)                                       # not cached any more: found shipped, not retrained
+    found = W.warmup_model(m, t, cache_dir=str(tmp_path / "cache"), progress=False)
+    assert found == str(tmp_path / "shipped" / "tiny_trace") and not os.path.exists(path)
+    assert W.shipped_checkpoint("0" * 16, str(tmp_path / "shipped")) is None
+    # deterministic: retraining the same settings elsewhere writes bit-identical weights
+    again = W.warmup_model(m, t, cache_dir=str(tmp_path / "again"), progress=False, eval_lengths=[],
+                           eval_prompts=1, use_shipped=False)
+    first, second = (jax.tree_util.tree_leaves(load_hf(p)[1]) for p in (found, again))
+    assert all(np.array_equal(np.asarray(x), np.asarray(y)) for x, y in zip(first, second))
+
