@@ -109,3 +109,39 @@ def test_warmup_on_pointer_trace_then_found_as_shipped(tmp_path, monkeypatch):
     first, second = (jax.tree_util.tree_leaves(load_hf(p)[1]) for p in (found, again))
     assert all(np.array_equal(np.asarray(x), np.asarray(y)) for x, y in zip(first, second))
 
+
+
+@pytest.mark.parametrize("key_len", [2, 3])
+def test_rl_and_calibration_prompts_use_the_configured_key_len(key_len):
+    """The warm-up trains on task.key_len; the RL rows and calibration prompts must use it too."""
+    import re
+
+    from configs.long_trace import get_config
+    from sparrow_jax.data.registry import get_task
+    from sparrow_jax.run.calibration import task_prompts
+    from sparrow_jax.run.context import build_examples
+    from sparrow_jax.run.specs import parse_spec
+
+    cfg = get_config()
+    cfg.task.key_len, cfg.task.context_tokens, cfg.task.hops = key_len, 120, 3
+    cfg.task.num_train, cfg.task.num_eval = 2, 1
+    spec = parse_spec(cfg)
+    train_rows, eval_rows = build_examples(spec.task, get_task(spec.task.name))
+
+    class Ctx:  # the two fields task_prompts reads
+        task = get_task(spec.task.name)
+        encode = staticmethod(lambda ex: [0])
+
+    calib_rows, _ = task_prompts(spec.task, Ctx, 2, seed=1, spread=False)
+    for ex in train_rows + eval_rows + calib_rows:
+        keys = re.findall(r"(?:^|;)([a-z0-9]+)=", ex["prompt"].split("\n", 1)[0])
+        assert keys and {len(k) for k in keys} == {key_len}
+
+
+def test_extra_questions_are_refused_outside_pointer_chase():
+    from sparrow_jax.models.tokenizer import BuiltinTokenizer
+
+    knobs = dict(name="pointer_trace", context_tokens=120, hops=4, distractor_frac=0.5, key_len=2)
+    settings = W.WarmupSettings(steps=2, batch_size=1, queries_per_example=2)
+    with pytest.raises(ValueError, match="queries_per_example=2.*only for pointer_chase"):
+        W.training_batch(knobs, settings, 0, BuiltinTokenizer(), 512)

@@ -262,6 +262,9 @@ def training_batch(knobs: dict[str, Any], settings: WarmupSettings, step: int, t
     (short contexts make the retrieval quick to discover) and hops uniform in ``[1, train_hops]``,
     then ``queries_per_example - 1`` extra questions about its records (:func:`extra_queries`).
     """
+    if settings.queries_per_example > 1 and knobs["name"] != "pointer_chase":
+        raise ValueError(f"warmup queries_per_example={settings.queries_per_example}: extra questions exist only "
+                         f"for pointer_chase prompts, not {knobs['name']!r}; set it to 1")
     rng = np.random.default_rng([settings.seed, _TRAIN_STREAM, step])
     hi = train_context(knobs, settings)
     lo = min(settings.min_context, hi)
