@@ -274,7 +274,7 @@ def test_cpu_kernel_failed_build_warns_and_leaves_no_partial_library(monkeypatch
 
 
 def test_cpu_select_pages_equals_select_pages_slot_for_slot():
-    """The C++ partial sort gives XLA top-k's slots exactly: ragged rows, budgets <= 0 and
+    """The C++ selection gives XLA top-k's slots exactly: ragged rows, budgets <= 0 and
     above k_max, ties and signed zeros (XLA orders -0 below +0), any reserved counts."""
     from sparrow_jax.attention.cpu_kernel import select_pages_cpu
 
