@@ -21,7 +21,7 @@ _CHILD = textwrap.dedent(
     import json, re
     import jax, jax.numpy as jnp, numpy as np
     from jax.sharding import NamedSharding, PartitionSpec as P
-    from sparrow_jax.attention.decode import resolve_impl, select_pages_decode, sparse_decode
+    from sparrow_jax.attention.decode import dense_decode_dispatch, resolve_impl, select_pages_decode, sparse_decode
     from sparrow_jax.parallel import make_mesh
     from sparrow_jax.models import tiny_config
     from sparrow_jax.models.forward import init_caches
@@ -75,6 +75,19 @@ _CHILD = textwrap.dedent(
             out_shard_shape=list(got[2].addressable_shards[0].data.shape),
             kernel_shapes=kernel_shapes(jaxpr.jaxpr), auto_kernel_shapes=auto,
             hlo_custom_calls=[[t, re.findall(r"\[([\d,]*)\]", ops)] for t, ops in custom])
+    # the dense C++ kernel (the sampler's dense decode on CPU) on the same mesh
+    dense = jax.jit(lambda q, k, v, pos: dense_decode_dispatch(q, k, v, pos, impl="cpu"))
+    dense_ref = dense(q, k, v, pos)
+    mesh = make_mesh(meshes["fsdp4_tensor2"])
+    with jax.set_mesh(mesh):
+        spec = rows_heads_spec(mesh, B, HKV)
+        args = [jax.device_put(x, NamedSharding(mesh, spec if x.ndim > 1 else P(spec[0]))) for x in (q, k, v, pos)]
+        dense_got = dense(*args)
+        hlo = dense.lower(*args).compile().as_text()
+    custom = re.findall(r'custom_call_target="(sparrow_\w+)", operand_layout_constraints=\{(.*?)\}, api_version', hlo)
+    out["dense_cpu"] = dict(out_diff=float(np.abs(np.asarray(dense_ref) - np.asarray(dense_got)).max()),
+                            out_shard_shape=list(dense_got.addressable_shards[0].data.shape),
+                            hlo_custom_calls=[[t, re.findall(r"\[([\d,]*)\]", ops)] for t, ops in custom])
     caches = init_caches(tiny_config(), 8, 64, page_size=8)  # 2 KV heads, 8 pages of 8, head_dim 32
     out["unplaced_kept"] = place_kv_caches(caches) is caches  # no mesh context: untouched
     with jax.set_mesh(make_mesh(meshes["fsdp4_tensor2"])):
@@ -127,6 +140,16 @@ def test_each_kernel_call_sees_only_its_shard(sharded_kernels, mesh_name, impl):
         assert set(targets) == {"sparrow_select_pages_cpu", "sparrow_sparse_decode_cpu"}, r
         assert targets["sparrow_select_pages_cpu"][0] == f"{rows},{heads},8"  # scores [B, Hkv, P]
         assert targets["sparrow_sparse_decode_cpu"][1] == f"{rows},{heads},8,8,32"  # k_pages
+
+
+def test_dense_cpu_kernel_runs_per_shard(sharded_kernels):
+    """The C++ dense decode (the dense baseline and the sampler's dense path on CPU) is split too:
+    equal to one device, and its one custom call gets [2 rows, 1 KV head, ...] pages on fsdp 4 x tensor 2."""
+    r = sharded_kernels["dense_cpu"]
+    assert r["out_diff"] <= 1e-6, r
+    assert r["out_shard_shape"] == [2, 4, 32], r
+    (target, operands), = r["hlo_custom_calls"]
+    assert target == "sparrow_dense_decode_cpu" and operands[1] == "2,1,8,8,32", r
 
 
 def test_auto_is_the_cpu_kernel_on_a_cpu_mesh(sharded_kernels):

@@ -87,7 +87,7 @@ def select_pages_decode(scores, positions, budget, k_max: int, page_size: int, r
                         reserved_last: int = 2, impl: str = "auto"):
     """``select_pages`` for one decode step: scores [B, Hkv, P], positions and budget [B].
 
-    With the CPU kernel as the implementation, a C++ partial sort replaces XLA's top-k (the
+    With the CPU kernel as the implementation, a C++ nth_element selection replaces XLA's top-k (the
     same slots for finite scores); otherwise :func:`select_pages`. Returns (page_idx, page_valid).
     """
     budget = jnp.broadcast_to(jnp.asarray(budget, jnp.int32), positions.shape)
@@ -107,11 +107,14 @@ def dense_decode_dispatch(q, k_pages, v_pages, positions, scale=None, impl="auto
     """Dense decode on the fastest implementation for ``impl``. Returns [B, H, D].
 
     On CPU with the C++ kernel (``auto`` or ``cpu``), the kernel's loop over every page up to
-    the query's (the like-for-like baseline of the sparse kernel); otherwise :func:`dense_decode`.
+    the query's (the like-for-like baseline of the sparse kernel), per device on its rows and KV
+    heads under a mesh context (an unpartitioned custom call would make every device attend over
+    the whole batch); otherwise :func:`dense_decode`, which XLA partitions itself.
     """
     if resolve_impl(impl) == "cpu":
         from sparrow_jax.attention.cpu_kernel import dense_decode_cpu
-        return dense_decode_cpu(q, k_pages, v_pages, positions, scale)
+        local = functools.partial(dense_decode_cpu, scale=scale)
+        return shard_rows_and_heads(local, q, k_pages, v_pages, positions, kv_heads=k_pages.shape[1])
     return dense_decode(q, k_pages, v_pages, positions, scale)
 
 
