@@ -185,8 +185,12 @@ def _ppo_updates(params, opt_state, rows: _Rows, config: Qwen3Config, optimizer:
             (loss, metrics), grads = grad_fn(params, config, micro, opts)
             return jax.tree.map(lambda a, g: a + g * w, grads_acc, grads), (loss, metrics)
 
-        zeros = jax.tree.map(jnp.zeros_like, params)
+        # Accumulate in float32 (bf16 params: a sum of micro-batch gradients in bf16 loses bits, and
+        # bf16 + f32 * w would change the scan carry's dtype), then back to the params' dtype for
+        # the optimiser, whose state has it.
+        zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
         grads, (losses, metrics) = jax.lax.scan(accumulate, zeros, (mini, weights))
+        grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
         loss = jnp.sum(losses * weights)
         finite = jnp.isfinite(loss) & _all_finite(grads)
         updates, new_opt_state = optimizer.update(grads, opt_state, params)
