@@ -29,10 +29,13 @@ def get_config():
     # from 2.2 to ~0.77 (16 rows, contexts <= 128, <= 16 hops stayed at 2.2), then 196 steps of 2 of
     # the task's rows (900-token prompts, 104 hops) take those from NLL ~4 to ~1.2. Measured: greedy
     # reward 0 at 8..104 hops (the first symbol of each value is copied, the second is not), so
-    # no checkpoint ships yet; the per-line lookup needs a longer short-row phase.
+    # no checkpoint ships yet; the per-line lookup needs a longer short-row phase. A 2-layer model
+    # with model.warmup.curriculum ((300, 48, 4, 32), (200, 128, 12, 32), (150, 320, 36, 12),
+    # (100, 640, 72, 4)) + 50 task-row steps (13 CPU-min) writes the line format exactly at 896
+    # tokens, but its value symbols are right 5% of the time there (19-41% at 48 tokens): reward 0.
     c.model.warmup = ConfigDict(dict(
         steps=560, batch_size=32, lr=3e-3, min_context=32, max_train_context=80, max_train_hops=8,
-        queries_per_example=1, prompt_weight=0.3, final_frac=0.35, final_batch_size=2, seed=0,
+        queries_per_example=1, prompt_weight=0.3, final_frac=0.35, final_batch_size=2, seed=0, curriculum=(),
         cache_dir="runs/cache", eval_lengths=(896,), eval_hops=(8, 32, 64, 104), eval_prompts=8))
     c.task.name = "pointer_trace"
     c.task.context_tokens = 896  # ~150 records of 6 tokens

@@ -1,5 +1,7 @@
 """Long-trace pieces: the sparse token share of a rollout, the report's per-bin table, the warm-up's
 long-trace settings and the shipped checkpoint."""
+import dataclasses
+import hashlib
 import json
 import os
 
@@ -145,3 +147,36 @@ def test_extra_questions_are_refused_outside_pointer_chase():
     settings = W.WarmupSettings(steps=2, batch_size=1, queries_per_example=2)
     with pytest.raises(ValueError, match="queries_per_example=2.*only for pointer_chase"):
         W.training_batch(knobs, settings, 0, BuiltinTokenizer(), 512)
+
+
+def test_warmup_curriculum_stages_set_rows_contexts_and_hops():
+    from sparrow_jax.models.tokenizer import BuiltinTokenizer
+
+    tok = BuiltinTokenizer()
+    knobs = dict(name="pointer_trace", context_tokens=300, hops=40, distractor_frac=0.5, key_len=2)
+    settings = W.WarmupSettings(steps=10, min_context=16, queries_per_example=1, final_frac=0.2,
+                                curriculum=[[3, 48, 2, 4], [5, 128, 9, 2]])
+    assert settings.curriculum == ((3, 48, 2, 4), (5, 128, 9, 2))  # lists from a config: hashable
+    for step, (rows, context, hops) in [(0, (4, 48, 2)), (2, (4, 48, 2)), (3, (2, 128, 9)), (7, (2, 128, 9))]:
+        stage = W.stage_settings(settings, step)
+        assert (stage.batch_size, stage.max_train_context, stage.max_train_hops) == (rows, context, hops)
+        tokens, ref_mask, _ = W.training_batch(knobs, stage, step, tok, W.training_length(knobs, stage))
+        assert tokens.shape[0] == rows
+        for b in range(rows):
+            lines = tok.decode(tokens[b][ref_mask[b]]).split("\n")
+            assert 2 <= len(lines) - 1 <= hops + 1                     # <= hops + 1 record lines
+            prompt = tok.decode(tokens[b][~ref_mask[b] & (tokens[b] != tok.pad_id)]).split("\n")[0]
+            assert len(tok.encode(prompt)) <= max(context, 6 * (hops + 1)) + 6
+    assert W.training_length(knobs, W.stage_settings(settings, 0)) < W.training_length(knobs, W.stage_settings(settings, 3))
+    # a curriculum enters the cache key; no curriculum leaves the key as it was before the field existed
+    config = W.Qwen3Config(vocab_size=111, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                           num_key_value_heads=1, head_dim=16, intermediate_size=64, max_position_embeddings=1024)
+    plain = dataclasses.replace(settings, curriculum=())
+    assert W.warmup_key(config, knobs, settings) != W.warmup_key(config, knobs, plain)
+    legacy = {k: v for k, v in dataclasses.asdict(plain).items() if k != "curriculum"}
+    blob = json.dumps(dict(format=W.FORMAT, arch=dataclasses.asdict(config), task=knobs, train=legacy), sort_keys=True)
+    assert W.warmup_key(config, knobs, plain) == hashlib.sha256(blob.encode()).hexdigest()[:16]
+    with pytest.raises(ValueError, match="add up to 7, but the phase before the final one has 8"):
+        W.WarmupSettings(steps=10, final_frac=0.2, curriculum=((3, 48, 2, 4), (4, 128, 9, 2)))
+    with pytest.raises(ValueError, match="positive ints"):
+        W.WarmupSettings(steps=10, final_frac=0.2, curriculum=((8, 48, 0, 4),))
