@@ -92,8 +92,9 @@ class WarmupSettings:
       settings above with ``max_train_context``, ``max_train_hops`` and ``batch_size`` replaced.
       Why: the lookup emerges within a few hundred steps only when a row holds a handful of
       records (measured on pointer_trace: contexts <= 48 tokens and <= 4 hops reach a reference
-      NLL of 0.3 by step 325, while contexts <= 64-256 with up to 20-48 hops stayed on the
-      uniform-over-records plateau for 1500 steps); later stages grow the rows toward the task's.
+      NLL of 0.3 by step 325, values then ~40-50% right, while contexts <= 64-256 with up to 20-48
+      hops stayed on the uniform-over-records plateau for 1500 steps); later stages grow the rows
+      toward the task's (without them the model fails past the positions it was trained on).
     """
 
     steps: int = 800
