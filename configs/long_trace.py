@@ -1,4 +1,4 @@
-"""Long generated traces on a 3-layer tiny Qwen3 (layers 1-2 sparse): task pointer_trace, a
+"""Long generated traces on a 2-layer tiny Qwen3 (both layers sparse): task pointer_trace, a
 ~890-token prompt of records and a completion writing every hop of a 104-hop chain (~635
 generated tokens, ~1.5K per rollout), each line needing one record from anywhere in the prompt.
 
@@ -6,6 +6,8 @@ generated tokens, ~1.5K per rollout), each line needing one record from anywhere
     python -m experiments.calibrate --config configs/long_trace.py   # budget x bin -> p5 -> schedule
     python -m experiments.run --config configs/long_trace.py         # warm-up, calibration, GRPO, report
 
+The warm-up ships (sparrow_jax/sft/checkpoints/long_trace/, found by its settings' hash);
+``python -m experiments.warmup --config configs/long_trace.py --noshipped`` retrains it.
 Generated tokens fall in absolute-position bins of 128 from 896 on (prompts of 884-890 tokens;
 the first few tokens of each trace fall in the 768 bin). The RL run reports
 completion_tokens_mean, sparse_token_fraction, p5_by_bin and the rollout speedup measured in
@@ -21,28 +23,25 @@ def get_config():
     c.workdir = "runs/long_trace"
     c.model.source = "warmup"
     c.model.tiny = ConfigDict(dict(  # vocab_size is replaced by the builtin tokenizer's (111)
-        vocab_size=128, hidden_size=128, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+        vocab_size=128, hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
         head_dim=32, intermediate_size=256, tie_word_embeddings=True, rope_theta=10000.0,
         max_position_embeddings=4096))
-    # Warm-up SFT (sparrow_jax.sft.warmup.WarmupSettings), ~14 CPU-minutes on 2 cores: 364 steps of
-    # 32 short rows (contexts 32..80 tokens, <= 8 hops; prompt_weight 0.3) bring the reference NLL
-    # from 2.2 to ~0.77 (16 rows, contexts <= 128, <= 16 hops stayed at 2.2), then 196 steps of 2 of
-    # the task's rows (900-token prompts, 104 hops) take those from NLL ~4 to ~1.2. Measured: greedy
-    # reward 0 at 8..104 hops (the first symbol of each value is copied, the second is not), so
-    # no checkpoint ships yet; the per-line lookup needs a longer short-row phase. A 2-layer model
-    # with model.warmup.curriculum ((300, 48, 4, 32), (200, 128, 12, 32), (150, 320, 36, 12),
-    # (100, 640, 72, 4)) + 50 task-row steps (13 CPU-min) writes the line format exactly at 896
-    # tokens, but its value symbols are right 5% of the time there (19-41% at 48 tokens): reward 0.
+    # Warm-up SFT (sparrow_jax.sft.warmup.WarmupSettings): a curriculum of growing rows. The lookup
+    # emerges only with a handful of records per row (contexts <= 32 tokens, <= 3 hops: reference
+    # NLL ~0.15 by step 200, ~0.01 once the values are right); rows then grow 2x per stage so the
+    # model keeps it at new positions, and the last 100 steps train on the task's own rows.
+    # Rows with tens of records from the start never left the uniform-over-records plateau.
     c.model.warmup = ConfigDict(dict(
-        steps=560, batch_size=32, lr=3e-3, min_context=32, max_train_context=80, max_train_hops=8,
-        queries_per_example=1, prompt_weight=0.3, final_frac=0.35, final_batch_size=2, seed=0, curriculum=(),
-        cache_dir="runs/cache", eval_lengths=(896,), eval_hops=(8, 32, 64, 104), eval_prompts=8))
+        steps=1800, batch_size=32, lr=3e-3, min_context=16, max_train_context=80, max_train_hops=8,
+        queries_per_example=1, prompt_weight=0.3, final_frac=100 / 1800, final_batch_size=2, seed=0,
+        curriculum=((800, 32, 3, 32), (300, 64, 6, 32), (250, 128, 12, 24), (200, 256, 24, 12), (150, 512, 48, 6)),
+        cache_dir="runs/cache", eval_lengths=(896,), eval_hops=(8, 32, 104), eval_prompts=8))
     c.task.name = "pointer_trace"
     c.task.context_tokens = 896  # ~150 records of 6 tokens
     c.task.hops = 104  # 105 record lines of 6 tokens + the answer: ~635 generated tokens
     c.schedule.page_size = 16
     c.schedule.bin_width = 128  # prompts of 884-896 tokens: bins from 896 on cover the trace, 128 tokens each
-    c.schedule.dense_layers = (0,)  # layers 1-2 sparse
+    c.schedule.dense_layers = ()  # both sparse: layer 0 reads the last tokens (always-kept pages)
     c.rollout.max_new_tokens = 704
     c.rollout.temperature = 1.0
     c.calibration.tau = 0.86
