@@ -563,7 +563,9 @@ def warmup_model(model: ModelSpec, task: TaskSpec, cache_dir: str | None = None,
     for step in range(settings.steps):
         if step < final_start:
             stage = stage_settings(settings, step)
-            seq_len = seq_lens.setdefault(stage, training_length(knobs, stage))
+            if stage not in seq_lens:  # computed once per stage, not every step
+                seq_lens[stage] = training_length(knobs, stage)
+            seq_len = seq_lens[stage]
             tokens, mask, prompt_mask = training_batch(knobs, stage, step, tok, seq_len)
         else:  # a second compiled shape: the task's own rows
             tokens, mask, prompt_mask = final_batch(knobs, settings, step, tok, final_len)
