@@ -35,6 +35,7 @@ def task_config() -> ConfigDict:
         num_eval=32,  # held-out prompts for evaluation and calibration validation
         seed=1234,  # generation seed of the built-in task
         key_len=3,  # built-in task: symbols per record key (also a warm-up cache knob)
+        isolate_chain=False,  # built-in task: off-chain records point off the chain (a wrong turn never rejoins it)
         reward_workers=2,  # RewardPool processes, for tasks that score in a pool (math)
         reward_timeout_s=10.0,  # per-answer verifier timeout in the pool (a timeout scores 0)
     ))

@@ -357,13 +357,13 @@ TRACE_EXAMPLE = {  # hand-written: ab -> cd -> ef -> gh (terminal), a distractor
 @pytest.mark.parametrize("completion, want", [
     ("ab=cd\ncd=ef\nef=gh\ngh=##\nanswer: gh", 1.0),               # all 4 lines and the answer
     ("ab=cd\ncd=ef\nef=gh\ngh=##\nanswer: gh<eos>junk", 1.0),      # text after <eos> ignored
-    ("ab=cd\ncd=ef\nef=gx\ngx=##\nanswer: gx", 0.5 * 2 / 4),       # third line wrong: 2 of 4, no answer
-    ("ab=cd\ncd=xx\nef=gh\ngh=##\nanswer: gh", 0.5 * 1 / 4 + 0.5), # a right line after an error counts 0
-    ("ab=cd\ncd=ef\n", 0.5 * 2 / 4),                                # stopped early, no answer line
-    ("ab=cd\ncd=ef\nef=gh\ngh=##<eos>\nanswer: gh", 0.5),          # the answer after <eos> does not count
-    ("answer: gh", 0.5),                                              # a guessed answer alone: half
+    ("ab=cd\ncd=ef\nef=gx\ngx=##\nanswer: gx", 2 / 5),             # third line wrong: 2 of 4 + answer
+    ("ab=cd\ncd=xx\nef=gh\ngh=##\nanswer: gh", 1 / 5),             # right lines and answer after an error: 0
+    ("ab=cd\ncd=ef\n", 2 / 5),                                      # stopped early, no answer line
+    ("ab=cd\ncd=ef\nef=gh\ngh=##<eos>\nanswer: gh", 4 / 5),        # the answer after <eos> does not count
+    ("answer: gh", 0.0),                                              # a guessed answer alone: nothing
     (" ab=cd\ncd=ef \nef=gh\ngh=##\nanswer: gh", 1.0),             # spaces around a line ignored
-    ("ab=cd\ncd=ef\nef=gh\ngh=ax\nax=ab\nanswer: ab", 0.5 * 3 / 4),  # missed the terminal: ran on
+    ("ab=cd\ncd=ef\nef=gh\ngh=ax\nax=ab\nanswer: ab", 3 / 5),     # missed the terminal: ran on
     ("", 0.0),
 ])
 def test_pointer_trace_score_hand_checked(completion, want):
@@ -416,4 +416,6 @@ def test_pointer_trace_in_registry():
     assert task.format_prompt(ex, BuiltinTokenizer()) == ex["prompt"]
     assert task.reward(ex["reference"], ex) == 1.0
     first_wrong = "zz" + ex["reference"][2:]
-    assert task.reward(first_wrong, ex) == 0.5                           # answer right, no line before an error
+    assert task.reward(first_wrong, ex) == 0.0                           # answer right after an error: nothing
+    second_wrong = ex["reference"].replace("\n", "\nzz", 1)
+    assert task.reward(second_wrong, ex) == pytest.approx(1 / 14)         # 1 of 13 lines + the answer

@@ -218,3 +218,59 @@ def test_shipped_long_trace_checkpoint_is_the_configs_warmup_and_looks_up_values
         values = at.reshape(-1, 6)[:, 3:5].ravel()                     # the looked-up symbols
         right += list(predicted[b, values - 1] == tokens[b, values])
     assert np.mean(right) >= 0.8, np.mean(right)
+
+
+def _records(example: dict) -> dict:
+    return dict(r.split("=") for r in example["prompt"].split("\n", 1)[0].strip(";").split(";"))
+
+
+@pytest.mark.parametrize("name", ["pointer_trace", "pointer_chase"])
+def test_isolate_chain_keeps_wrong_turns_off_the_chain(name):
+    """With isolate_chain no off-chain record points into the chain; the chain, keys, record order
+    and prompt length are those of the default task, only off-chain values differ."""
+    from sparrow_jax.data.registry import get_task
+
+    gen = get_task(name).generate
+    plain = gen(6, 5, context_tokens=300, hops=20, key_len=2)
+    isolated = gen(6, 5, context_tokens=300, hops=20, key_len=2, isolate_chain=True)
+    rejoin = 0
+    for a, b in zip(plain, isolated):
+        chain = a["meta"]["chain"]
+        assert b["meta"]["chain"] == chain and b["reference"] == a["reference"]
+        ra, rb = _records(a), _records(b)
+        assert list(ra) == list(rb) and len(a["prompt"]) == len(b["prompt"])
+        off = [k for k in ra if k not in chain[:-1]]          # chain[-1] is the terminal / answer record
+        assert all(ra[k] == rb[k] for k in chain[:-1])
+        assert not any(rb[k] in chain for k in off)
+        rejoin += sum(ra[k] in chain for k in off)
+    assert rejoin > 0  # the default task does let wrong turns rejoin the chain
+
+
+def test_isolate_chain_reaches_rl_rows_and_calibration_prompts_not_the_warmup_key():
+    """isolate_chain shapes the RL and calibration prompts; the warm-up (whose references never
+    visit an off-chain record) and its cache key are the same with and without it."""
+    from configs.long_trace import get_config
+    from sparrow_jax.data.registry import get_task
+    from sparrow_jax.run.calibration import task_prompts
+    from sparrow_jax.run.context import build_examples
+    from sparrow_jax.run.specs import parse_spec
+
+    cfg = get_config()
+    cfg.task.context_tokens, cfg.task.hops, cfg.task.num_train, cfg.task.num_eval = 200, 12, 3, 1
+    spec = parse_spec(cfg)
+    assert spec.task.isolate_chain
+    cfg.task.isolate_chain = False
+    assert W.task_knobs(spec.task) == W.task_knobs(parse_spec(cfg).task)
+
+    class Ctx:  # what task_prompts reads from a run context
+        task = get_task(spec.task.name)
+
+        @staticmethod
+        def encode(ex):
+            return [0]
+
+    train, held_out = build_examples(spec.task, get_task(spec.task.name))
+    calib, _ = task_prompts(spec.task, Ctx, 2, seed=1, spread=False)
+    for ex in train + held_out + calib:
+        rec, chain = _records(ex), ex["meta"]["chain"]
+        assert not any(v in chain for k, v in rec.items() if k not in chain)

@@ -30,7 +30,8 @@ def task_prompts(t: TaskSpec, ctx: RunContext, n: int, seed: int,
         raise ValueError(f"calibration generates its prompts: task {t.name!r} needs a generator and "
                          f"task.dataset must be empty (got {t.dataset!r})")
     examples = [ctx.task.generate(1, seed * 100_003 + i, context_tokens=c, hops=t.hops,
-                                  distractor_frac=t.distractor_frac, key_len=t.key_len)[0]
+                                  distractor_frac=t.distractor_frac, key_len=t.key_len,
+                                  isolate_chain=t.isolate_chain)[0]
                 for i, c in enumerate(context_lengths(t, n, spread))]
     return examples, [ctx.encode(ex) for ex in examples]
 

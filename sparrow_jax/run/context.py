@@ -64,7 +64,8 @@ def build_examples(t: TaskSpec, task: Task) -> tuple[list[dict], list[dict]]:
     if task.generate is None:
         raise ValueError(f"task {t.name!r} has no generator: set task.dataset to a local file")
     rows = task.generate(t.num_train + t.num_eval, t.seed, context_tokens=t.context_tokens, hops=t.hops,
-                         distractor_frac=t.distractor_frac, key_len=t.key_len)
+                         distractor_frac=t.distractor_frac, key_len=t.key_len,
+                         isolate_chain=t.isolate_chain)
     return rows[:t.num_train], rows[t.num_train:]
 
 

@@ -44,6 +44,7 @@ class TaskSpec:
     num_eval: int
     seed: int
     key_len: int
+    isolate_chain: bool  # built-in task: off-chain records never point into the chain
     reward_workers: int  # RewardPool processes (tasks that ask for a pool)
     reward_timeout_s: float  # per-answer verifier timeout in the pool
 
@@ -161,6 +162,12 @@ class MeshSpec:
 @_spec
 class StudySpec:
     aggressive_topk: int
+    # arms run in order, same seeds; any of STUDY_ARMS (online_*: schedule.kind=online started dense,
+    # at the aggressive fixed budget, or calibrated with DistillSparse)
+    arms: tuple = ("dense", "calibrated", "aggressive")
+
+
+STUDY_ARMS = ("dense", "calibrated", "aggressive", "online_dense", "online_aggressive", "online_distill")
 
 
 @_spec
@@ -340,6 +347,11 @@ def validate(spec: RunSpec) -> None:
     _require(bool(spec.distill.switch_topk) == bool(spec.distill.switch_every), "distill.switch_every",
              spec.distill.switch_every, "phase 2 needs both distill.switch_topk and distill.switch_every (or neither)")
     _validate_online(spec)
+    if spec.study is not None:
+        arms = spec.study.arms
+        unknown = [a for a in arms if a not in STUDY_ARMS]
+        _require(bool(arms) and not unknown and len(set(arms)) == len(arms), "study.arms", arms,
+                 f"expected distinct arms from {STUDY_ARMS}")
 
 
 def _validate_online(spec: RunSpec) -> None:

@@ -149,7 +149,10 @@ def warmup_architecture(model: ModelSpec) -> Qwen3Config:
 
 
 def task_knobs(task: TaskSpec) -> dict[str, Any]:
-    """The task fields that change the warm-up data: name, context_tokens, hops, distractor_frac, key_len."""
+    """The task fields that change the warm-up data: name, context_tokens, hops, distractor_frac, key_len.
+
+    ``task.isolate_chain`` is not one: it changes only where off-chain records point, which no
+    reference trace visits, so the warm-up trains the same lookups either way."""
     knobs = dict(name=str(task.name), context_tokens=int(task.context_tokens),
                  hops=int(task.hops), distractor_frac=float(task.distractor_frac),
                  key_len=int(task.key_len))

@@ -64,7 +64,8 @@ def _check_knobs(context_tokens: int, hops: Any, key_len: int, alphabet: str, di
 
 
 def _generate_one(rng: np.random.Generator, context_tokens: int, hops: int, key_len: int,
-                  alphabet: str, distractor_frac: float, tokenizer: "Tokenizer") -> dict[str, Any]:
+                  alphabet: str, distractor_frac: float, tokenizer: "Tokenizer",
+                  isolate_chain: bool = False) -> dict[str, Any]:
     from sparrow_jax.models.tokenizer import BUILTIN_WORD_TOKENS
 
     symbols = np.array(list(alphabet))
@@ -110,10 +111,12 @@ def _generate_one(rng: np.random.Generator, context_tokens: int, hops: int, key_
     fillers = [random_key() for _ in range(n_extra - len(distractors))]
     keys = chain + distractors + fillers
 
-    # Values: the chain links c_i -> c_{i+1}; every other record points at a random key.
+    # Values: the chain links c_i -> c_{i+1}; every other record points at a random key (with
+    # isolate_chain, a random non-chain key: a wrong turn never leads back into the chain).
     value = {chain[i]: chain[i + 1] for i in range(hops)}
+    targets = keys[hops + 1:] if isolate_chain and n_extra > 0 else keys
     for key in keys[hops:]:
-        value[key] = keys[int(rng.integers(len(keys)))]
+        value[key] = targets[int(rng.integers(len(targets)))]
     order = rng.permutation(len(keys))
     records = [f"{keys[j]}={value[keys[j]]};" for j in order]
     prompt = "".join(records) + "\n" + _query_line(chain[0], hops)
@@ -130,7 +133,7 @@ def _generate_one(rng: np.random.Generator, context_tokens: int, hops: int, key_
 
 def generate(n: int, seed: int, context_tokens: int = 1024, hops: "int | tuple[int, int]" = 2,
              distractor_frac: float = 0.5, key_len: int = 3, alphabet: str = DEFAULT_ALPHABET,
-             tokenizer: "Tokenizer | None" = None) -> list[dict[str, Any]]:
+             tokenizer: "Tokenizer | None" = None, isolate_chain: bool = False) -> list[dict[str, Any]]:
     """``n`` pointer-chasing examples: dicts with ``prompt``, ``reference`` (CoT + answer line),
     ``answer`` and ``meta``.
 
@@ -144,6 +147,8 @@ def generate(n: int, seed: int, context_tokens: int = 1024, hops: "int | tuple[i
         chain key.
       key_len, alphabet: key shape (default 3 symbols from [a-z0-9]).
       tokenizer: used only to count prompt tokens (default: the builtin tokenizer).
+      isolate_chain: records off the chain point only at keys off the chain (default: at any
+        key), so following a wrong record never rejoins the chain.
     """
     from sparrow_jax.models.tokenizer import BuiltinTokenizer
 
@@ -153,7 +158,8 @@ def generate(n: int, seed: int, context_tokens: int = 1024, hops: "int | tuple[i
     for i in range(int(n)):
         rng = np.random.default_rng([int(seed), i])
         h = int(rng.integers(lo, hi + 1))
-        out.append(_generate_one(rng, context_tokens, h, key_len, alphabet, distractor_frac, tokenizer))
+        out.append(_generate_one(rng, context_tokens, h, key_len, alphabet, distractor_frac, tokenizer,
+                                 isolate_chain))
     return out
 
 

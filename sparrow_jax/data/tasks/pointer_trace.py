@@ -25,9 +25,11 @@ Records other than the chain's point at random keys; a share (``distractor_frac`
 keys are one symbol away from a chain key (see :mod:`sparrow_jax.data.tasks.pointer_chase`,
 whose generator this task reuses).
 
-Reward (:func:`score`), in [0, 1]: half the fraction of lines written correctly before the
-first wrong one, plus half for the exact final answer. A model that gets the first few hops
-right earns a signal before it can finish a chain.
+Reward (:func:`score`), in [0, 1]: the share of the trace's steps done right before the first
+wrong one, the ``answer:`` line being the last step (it counts only after every record line is
+right). A model that gets the first few hops right earns a signal before it can finish a chain,
+and a right answer reached through a wrong line (a lucky jump onto the chain) earns nothing
+beyond the lines before it.
 """
 from __future__ import annotations
 
@@ -56,7 +58,7 @@ def reference(chain: Sequence[str]) -> str:
 
 def generate(n: int, seed: int, context_tokens: int = 1024, hops: "int | tuple[int, int]" = 96,
              distractor_frac: float = 0.5, key_len: int = 2, alphabet: str = DEFAULT_ALPHABET,
-             tokenizer: "Tokenizer | None" = None) -> list[dict[str, Any]]:
+             tokenizer: "Tokenizer | None" = None, isolate_chain: bool = False) -> list[dict[str, Any]]:
     """``n`` examples: dicts with ``prompt``, ``reference`` (``hops + 1`` record lines + the
     answer line), ``answer`` (the chain's last key) and ``meta`` (pointer_chase's, ``task`` set
     to ``"pointer_trace"``).
@@ -66,10 +68,13 @@ def generate(n: int, seed: int, context_tokens: int = 1024, hops: "int | tuple[i
     chain needs ``hops + 1`` distinct records, so a prompt grows past ``context_tokens`` when
     that is too short for them); ``hops`` is a
     count or an inclusive ``(lo, hi)`` range. Example ``i`` depends only on ``(seed, i)``.
+    ``isolate_chain``: records off the chain point only off the chain, so a trace that takes a
+    wrong record walks among them (and loops) instead of skipping ahead to the terminal record;
+    its completion then runs to the length limit, as a derailed reasoning trace does.
     """
     out = pointer_chase.generate(n, seed, context_tokens=context_tokens, hops=hops,
                                  distractor_frac=distractor_frac, key_len=key_len, alphabet=alphabet,
-                                 tokenizer=tokenizer)
+                                 tokenizer=tokenizer, isolate_chain=isolate_chain)
     from sparrow_jax.models.tokenizer import BuiltinTokenizer
 
     tokenizer = tokenizer or BuiltinTokenizer()
@@ -112,7 +117,8 @@ def correct_prefix(completion: str, reference: str,
 
 
 def score(completion: str, example: dict[str, Any]) -> float:
-    """0.5 x (correct record lines before the first error / lines) + 0.5 x (final answer exact).
+    """(correct record lines before the first error + 1 if they are all right and the final
+    answer is exact) / (record lines + 1).
 
     Text after an end-of-sequence marker (``<eos>``, ``<|im_end|>``, ``<|endoftext|>``) is ignored.
     """
@@ -122,7 +128,7 @@ def score(completion: str, example: dict[str, Any]) -> float:
     prefix, hops = correct_prefix(completion, example["reference"])
     got = extract_answer(completion)
     exact = got is not None and got == str(example["answer"]).strip()
-    return 0.5 * prefix / max(hops, 1) + 0.5 * float(exact)
+    return (prefix + float(exact and prefix == hops)) / (hops + 1)
 
 
 __all__ = ["NAME", "TERMINAL", "generate", "reference", "query_line", "hop_lines", "correct_prefix", "score"]
