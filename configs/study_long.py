@@ -18,5 +18,8 @@ def get_config():
     c.steps = 16
     c.checkpoint_every = 8
     c.calibration.tau = 0.86
-    c.study = ConfigDict(dict(aggressive_topk=2))  # top-k pages of the aggressive arm (80-token budget)
+    c.study = ConfigDict(dict(
+        aggressive_topk=16,  # top-k pages of the aggressive arm (256 tokens + 3 kept pages)
+        arms=("dense", "calibrated", "aggressive", "online_dense", "online_aggressive", "online_distill")))
+    c.schedule.online.tau = c.calibration.tau
     return c

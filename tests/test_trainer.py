@@ -185,6 +185,7 @@ def test_sigkill_mid_run_then_resume_finishes(tmp_path):
     assert steps == list(range(1, 7))
     report = json.load(open(workdir / "report.json"))
     assert {"reward_start", "reward_end", "p5_by_bin", "tau", "rollout_speedup"} <= set(report)
+    assert report["speedup_timed_compiles"] == 0  # the timed rollouts reuse the untimed run's programs
 
 
 def test_distill_sparse_step_isolates_gradients():

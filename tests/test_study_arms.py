@@ -1,0 +1,58 @@
+"""Study arms: each arm's run spec, the config check of study.arms, and the p5-hold summary."""
+import math
+
+import pytest
+
+from sparrow_jax.run.pipeline import _arm_spec, p5_hold
+from sparrow_jax.run.specs import ConfigError, parse_spec
+
+
+def _study_spec(arms=None):
+    from configs.study_long import get_config
+
+    cfg = get_config()
+    if arms is not None:
+        cfg.study.arms = arms
+    return parse_spec(cfg)
+
+
+def test_arm_specs_set_schedule_and_distill_per_arm():
+    spec = _study_spec()
+    assert set(spec.study.arms) >= {"dense", "calibrated", "aggressive", "online_dense", "online_aggressive",
+                                    "online_distill"}
+    got = {arm: _arm_spec(spec, arm) for arm in spec.study.arms}
+    assert got["dense"].schedule.kind == "dense" and got["calibrated"].schedule.kind == "json"
+    assert got["calibrated"].schedule.path.endswith("schedule.json")
+    assert (got["aggressive"].schedule.kind, got["aggressive"].schedule.topk) == ("fixed", spec.study.aggressive_topk)
+    for arm, start in (("online_dense", "dense"), ("online_aggressive", "fixed"), ("online_distill", "calibrated")):
+        s = got[arm].schedule
+        assert s.kind == "online" and s.online.start == start and s.topk == spec.study.aggressive_topk
+        assert got[arm].distill.enabled == (arm == "online_distill")
+    assert got["online_distill"].distill.compare_without is False
+    assert all(a.workdir.endswith(name) and a.study is None for name, a in got.items())
+
+
+@pytest.mark.parametrize("arms", [("dense", "bogus"), ("dense", "dense"), ()])
+def test_bad_study_arms_name_the_field(arms):
+    with pytest.raises(ConfigError, match="study.arms"):
+        _study_spec(arms)
+
+
+def _step(step, cells):
+    h = {"step": step}
+    for b, (p5, n) in cells.items():
+        h[f"mismatch/alpha_p5/bin_{b}"], h[f"mismatch/count/bin_{b}"] = p5, n
+    return h
+
+
+def test_p5_hold_finds_the_first_step_all_full_bins_pass_then_counts_cells():
+    hist = [_step(1, {0: (0.5, 500), 128: (0.9, 500)}),
+            _step(2, {0: (0.9, 500), 128: (0.85, 500)}),  # 0.85 >= 0.84: both pass
+            _step(3, {0: (0.8, 500), 128: (0.95, 10)}),   # bin 128 too thin to count
+            _step(4, {0: (0.9, 500), 128: (0.9, 500)})]
+    got = p5_hold(hist, threshold=0.84, min_tokens=256)
+    assert got == {"reached_step": 2, "held_fraction": pytest.approx(4 / 5), "cells": 5}
+    never = p5_hold(hist[:1], threshold=0.84, min_tokens=256)
+    assert never["reached_step"] is None and never["held_fraction"] is None
+    thin = p5_hold([_step(1, {0: (0.99, 5)})], threshold=0.84, min_tokens=256)  # no full bin: nothing reached
+    assert thin["reached_step"] is None and not math.isnan(thin["cells"])
