@@ -1,24 +1,17 @@
-"""The README's first command: the whole Sparrow method end to end on a laptop CPU.
+"""The README's first command: the whole Sparrow method end to end on a laptop CPU, in the regime
+it exists for, long generated traces (configs/long_trace.py: ~890-token prompts, completions of
+~500+ generated tokens, a 2-layer tiny Qwen3 with both layers sparse).
 
-warm-up SFT of a tiny Qwen3 on the pointer-chase task (cached under runs/cache; ~7 min the
-first time on 2 cores) -> calibrate a schedule for tau = 0.86 (~1 min) -> GRPO + TIS with
-sparse rollouts at that schedule -> runs/quickstart/report.json and plots. Page size and
-position bins are scaled down for tiny contexts.
+shipped warm-up (sparrow_jax/sft/checkpoints/long_trace/; retrained in ~17 CPU-minutes if its
+settings change) -> calibrate a length-dependent schedule for tau = 0.86 (budgets x bins of 128
+generated positions) -> GRPO + TIS with sparse rollouts at that schedule -> runs/quickstart/
+report.json (reward, p5_by_bin, completion_tokens_mean, sparse_token_fraction, rollout_speedup),
+calibration.json and plots.
 """
-from configs.calibrate_tiny import get_config as calibrate_config
+from configs.long_trace import get_config as long_trace_config
 
 
 def get_config():
-    c = calibrate_config()  # same model, warm-up and calibration settings (shares the warm-up cache)
+    c = long_trace_config()
     c.workdir = "runs/quickstart"
-    c.schedule.kind = "calibrated"
-    c.task.num_train = 512
-    c.task.num_eval = 16
-    c.rollout.max_new_tokens = 24
-    c.rollout.prompts_per_step = 8
-    c.rollout.group_size = 8
-    c.steps = 60
-    c.checkpoint_every = 20
-    c.eval_k = 4
-    c.train.learning_rate = 3e-4
     return c

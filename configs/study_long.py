@@ -15,8 +15,8 @@ from configs.long_trace import get_config as long_trace_config
 def get_config():
     c = long_trace_config()
     c.workdir = "runs/study_long"
-    c.steps = 16
-    c.checkpoint_every = 8
+    c.steps = 12
+    c.checkpoint_every = 6
     c.calibration.tau = 0.86
     c.study = ConfigDict(dict(
         aggressive_topk=16,  # top-k pages of the aggressive arm (256 tokens + 3 kept pages)

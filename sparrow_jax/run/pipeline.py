@@ -159,7 +159,9 @@ def _arm_row(spec: RunSpec, arm: str, hist) -> dict:
     row = {"reward_start": _window_mean(rewards), "reward_end": _window_mean(rewards[::-1]),
            "min_p5": _min_p5(hist),
            "response_length_end": _window_mean([h["response_length/mean"] for h in hist][::-1]),
-           "rollout_s_mean": float(np.mean([h["timing_s/gen"] for h in hist[1:]] or [np.nan]))}
+           "rollout_s_mean": float(np.mean([h["timing_s/gen"] for h in hist[1:]] or [np.nan])),
+           # the median ignores steps that compiled (a new pool size or k_max bucket)
+           "rollout_s_median": float(np.median([h["timing_s/gen"] for h in hist[1:]] or [np.nan]))}
     costs = [h["schedule/predicted_cost_vs_dense"] for h in hist if "schedule/predicted_cost_vs_dense" in h]
     if costs:
         row["predicted_cost_end"] = float(costs[-1])
