@@ -1,11 +1,14 @@
-"""Study at length: dense rollouts vs the calibrated tau = 0.86 schedule vs an aggressive fixed
-budget, same seeds and steps, on configs/long_trace.py's long traces (~60 minutes on 2 CPU cores).
+"""Study at length on configs/long_trace.py's long traces, same seeds and steps for every arm:
+dense rollouts, the calibrated tau = 0.86 schedule, an aggressive fixed budget (16 pages), and the
+online controller (schedule.kind=online) started dense, started at the aggressive budget, and
+started calibrated with DistillSparse (~40 minutes on 2 CPU cores).
 
     python -m experiments.run --config configs/study_long.py
 
-Writes runs/study_long/study.png (reward per step, per-bin p5 and mean alpha over training,
-rollout seconds per step, per arm) and report.json (arm x reward start/end, min per-bin p5,
-mean rollout seconds). The calibration is long_trace's (same model, task and bins).
+Writes runs/study_long/study.png (reward, mean alpha and rollout seconds per step for every arm;
+p5 per bin per sparse arm; top-k per bin per online arm) and report.json (per arm: reward
+start/end, min per-bin p5, rollout seconds, predicted cost vs dense; the online arms' final
+budgets and p5_hold). The calibration is long_trace's (same model, task and bins).
 """
 from ml_collections import ConfigDict
 

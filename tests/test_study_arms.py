@@ -56,3 +56,19 @@ def test_p5_hold_finds_the_first_step_all_full_bins_pass_then_counts_cells():
     assert never["reached_step"] is None and never["held_fraction"] is None
     thin = p5_hold([_step(1, {0: (0.99, 5)})], threshold=0.84, min_tokens=256)  # no full bin: nothing reached
     assert thin["reached_step"] is None and not math.isnan(thin["cells"])
+
+
+def test_study_plot_grids_panels_per_arm_over_bins_with_tokens(tmp_path):
+    from PIL import Image
+
+    from sparrow_jax.run.pipeline import plot_study
+
+    dense = [{"step": i, "reward_mean": 0.1 * i, "timing_s/gen": 1.0} for i in (1, 2, 3)]
+    online = [dict(_step(i, {768: (0.9, 300), 896: (0.8, 0)}), reward_mean=0.1, **{
+        "timing_s/gen": 0.5, "mismatch/alpha_mean": 0.99, "schedule/topk/bin_768": 8 * i,
+        "schedule/topk/bin_896": 8}) for i in (1, 2, 3)]
+    path = tmp_path / "study.png"
+    plot_study({"dense": dense, "online_aggressive": online}, str(path))
+    # 3 common panels + p5 and top-k panels of the online arm = 5: two rows of 4 columns
+    width, height = Image.open(path).size
+    assert height > 0.4 * width

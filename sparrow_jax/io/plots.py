@@ -86,13 +86,20 @@ def plot_curves(series: Series, path: str | os.PathLike, ylabel: str, title: str
 
 
 def plot_panels(
-    panels: Sequence[tuple[str, str, Series]], path: str | os.PathLike, xlabel: str = "step"
+    panels: Sequence[tuple[str, str, Series]], path: str | os.PathLike, xlabel: str = "step",
+    columns: int = 0,
 ) -> Path:
-    """Side-by-side subplots; each panel is (title, ylabel, series label -> (steps, values))."""
+    """Subplots in rows of ``columns`` (0: one row); each panel is (title, ylabel, series label ->
+    (steps, values))."""
     if not isinstance(panels, Sequence) or not panels:
         raise ValueError(f"panels: expected a non-empty list of (title, ylabel, series), got {panels!r:.80}")
-    fig = Figure(figsize=(4.5 * len(panels), 3.8))
-    axes = np.atleast_1d(fig.subplots(1, len(panels)))
+    cols = min(columns, len(panels)) if columns > 0 else len(panels)
+    rows = -(-len(panels) // cols)
+    fig = Figure(figsize=(4.5 * cols, 3.8 * rows))
+    grid = np.atleast_1d(fig.subplots(rows, cols)).reshape(-1)
+    for ax in grid[len(panels):]:
+        ax.set_axis_off()
+    axes = grid[:len(panels)]
     for i, (ax, panel) in enumerate(zip(axes, panels)):
         if not isinstance(panel, (tuple, list)) or len(panel) != 3:
             raise ValueError(f"panels[{i}]: expected (title, ylabel, series), got {panel!r:.80}")

@@ -171,6 +171,30 @@ def _arm_row(spec: RunSpec, arm: str, hist) -> dict:
     return row
 
 
+def plot_study(arms: dict[str, list], path: str) -> None:
+    """study.png: reward, mean alpha and rollout seconds per step for every arm; then per sparse
+    arm its p5 per generated-position bin, and per online arm its top-k per bin (bins that
+    received tokens only)."""
+    steps = {a: [h["step"] for h in hist] for a, hist in arms.items()}
+    series = lambda key: {a: (steps[a], [h.get(key, np.nan) for h in hist]) for a, hist in arms.items()}
+    panels = [("reward", "reward_mean", series("reward_mean")),
+              ("mean alpha (sparse arms)", "alpha mean", {a: v for a, v in series("mismatch/alpha_mean").items()
+                                                          if a != "dense"}),
+              ("rollout seconds per step", "s", series("timing_s/gen"))]
+    for a, hist in arms.items():
+        if a == "dense":
+            continue
+        counts = _bin_series(hist, "mismatch/count/bin_")
+        used = [b for b, c in counts.items() if np.nansum(c) > 0]
+        p5 = _bin_series(hist, "mismatch/alpha_p5/bin_")
+        panels.append((f"p5 per bin: {a}", "alpha p5", {f"bin {b}": (steps[a], p5[b]) for b in used if b in p5}))
+        if a in _ONLINE_START:
+            topk = _bin_series(hist, "schedule/topk/bin_")
+            panels.append((f"top-k per bin: {a}", "pages", {f"bin {b}": (steps[a], topk[b]) for b in used
+                                                             if b in topk}))
+    plot_panels(panels, path, columns=4)
+
+
 def run_study(spec: RunSpec) -> dict:
     """Same seeds and steps for every arm of ``study.arms``: dense rollouts, the calibrated tau
     schedule, an aggressive fixed budget, and the online controller started dense, aggressive or
@@ -185,23 +209,7 @@ def run_study(spec: RunSpec) -> dict:
         with_calibrated = arm in ("calibrated", "online_distill")
         ctx = build_run_context(arm_spec, calibrated) if with_calibrated else build_run_context(arm_spec)
         arms[arm] = train(arm_spec, ctx).history
-    steps = {a: [h["step"] for h in hist] for a, hist in arms.items()}
-    series = lambda key: {a: (steps[a], [h.get(key, np.nan) for h in hist]) for a, hist in arms.items()}
-    sparse_arms = {a: hist for a, hist in arms.items() if a != "dense"}
-    bins = sorted({k.rsplit("_", 1)[1] for hist in sparse_arms.values() for h in hist for k in h
-                   if k.startswith("mismatch/alpha_p5/bin_")}, key=int)
-    per_bin_p5 = {f"{a} bin {b}": (steps[a], [h.get(f"mismatch/alpha_p5/bin_{b}", np.nan) for h in hist])
-                  for a, hist in sparse_arms.items() for b in bins}
-    panels = [("reward", "reward_mean", series("reward_mean")),
-              ("per-bin p5 (sparse arms)", "alpha p5", per_bin_p5),
-              ("mean alpha (sparse arms)", "alpha mean", {a: v for a, v in series("mismatch/alpha_mean").items()
-                                                          if a != "dense"}),
-              ("rollout seconds per step", "s", series("timing_s/gen"))]
-    budgets = {f"{a} bin {b}": (steps[a], v) for a, hist in arms.items() if a in _ONLINE_START
-               for b, v in _bin_series(hist, "schedule/topk/bin_").items()}
-    if budgets:
-        panels.append(("top-k per bin (online arms)", "pages", budgets))
-    plot_panels(panels, os.path.join(spec.workdir, "study.png"))
+    plot_study(arms, os.path.join(spec.workdir, "study.png"))
     table = {a: _arm_row(spec, a, hist) for a, hist in arms.items()}
     report = {"arms": table, "tau": spec.calibration.tau, "calibrated_topk": list(calibrated.topk),
               "aggressive_topk": spec.study.aggressive_topk, "steps": spec.steps}
