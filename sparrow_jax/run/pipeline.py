@@ -145,11 +145,11 @@ def p5_hold(history, threshold: float, min_tokens: float) -> dict:
     keep it (``held_fraction``, over ``cells`` cells)."""
     p5 = _bin_series(history, "mismatch/alpha_p5/bin_")
     count = _bin_series(history, "mismatch/count/bin_")
-    cells = lambda i: [(p5[b][i], count[b][i]) for b in p5 if b in count and count[b][i] >= min_tokens]
-    reached = next((i for i in range(len(history)) if cells(i) and all(p >= threshold for p, _ in cells(i))), None)
+    cells = lambda i: [p5[b][i] for b in p5 if b in count and count[b][i] >= min_tokens]  # p5 of full bins
+    reached = next((i for i in range(len(history)) if cells(i) and min(cells(i)) >= threshold), None)
     if reached is None:
         return {"reached_step": None, "held_fraction": None, "cells": 0}
-    after = [p for i in range(reached, len(history)) for p, _ in cells(i)]
+    after = [p for i in range(reached, len(history)) for p in cells(i)]
     return {"reached_step": int(history[reached]["step"]),
             "held_fraction": float(np.mean([p >= threshold for p in after])), "cells": len(after)}
 

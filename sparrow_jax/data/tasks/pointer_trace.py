@@ -69,8 +69,8 @@ def generate(n: int, seed: int, context_tokens: int = 1024, hops: "int | tuple[i
     that is too short for them); ``hops`` is a
     count or an inclusive ``(lo, hi)`` range. Example ``i`` depends only on ``(seed, i)``.
     ``isolate_chain``: records off the chain point only off the chain, so a trace that takes a
-    wrong record walks among them (and loops) instead of skipping ahead to the terminal record;
-    its completion then runs to the length limit, as a derailed reasoning trace does.
+    wrong record walks among them (and may loop) instead of skipping ahead to the terminal
+    record and ending the trace.
     """
     out = pointer_chase.generate(n, seed, context_tokens=context_tokens, hops=hops,
                                  distractor_frac=distractor_frac, key_len=key_len, alphabet=alphabet,
