@@ -109,8 +109,7 @@ def distill_report(spec: RunSpec, ctx: RunContext, result: TrainResult) -> dict:
 
 def _min_p5(history) -> float | None:
     """Minimum over bins of the per-bin p5 averaged over training (None for dense rollouts)."""
-    keys = {k for h in history for k in h if k.startswith("mismatch/alpha_p5/bin_")}
-    per_bin = [np.mean([h[k] for h in history if k in h]) for k in keys]
+    per_bin = [np.nanmean(v) for v in _bin_series(history, "mismatch/alpha_p5/bin_").values()]
     return float(min(per_bin)) if per_bin else None
 
 
