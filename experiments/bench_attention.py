@@ -9,9 +9,9 @@ decodes at the last position of a full ``L``-token cache.
 * dense: the best dense decode for ``--impl`` (``dense_decode_dispatch``: on CPU the C++
   kernel's loop over every page, the like-for-like baseline of the sparse kernel).
 * dense_xla: the XLA ``dense_decode`` (an extra column: what dense cost before).
-* sparse: what a sparse decode step runs per layer: ``group_mean_query`` + ``score_pages``
-  + ``select_pages`` + ``sparse_decode(impl=--impl)`` (``auto``: on CPU the XLA fast path
-  :func:`sparrow_jax.attention.fast_xla.sparse_decode_xla_fast`, on GPU the Pallas kernel).
+* sparse: what a sparse decode step runs per layer: ``group_mean_query`` +
+  ``score_select_decode`` (page scores and top-k; on CPU one C++ pass) +
+  ``sparse_decode(impl=--impl)`` (``auto``: on CPU the C++ kernel, on GPU the Pallas kernel).
 * sparse_xla_ref: the same step with the plain gather formulation ``sparse_decode_xla``.
 
 Timing modes (dense and sparse always measured the same way, interleaved, so load from
@@ -43,7 +43,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from sparrow_jax.attention import (IMPLEMENTATIONS, dense_decode, dense_decode_dispatch, group_mean_query,
-                                   page_metadata, resolve_impl, score_pages, select_pages_decode, sparse_decode,
+                                   page_metadata, resolve_impl, score_select_decode, sparse_decode,
                                    sparse_decode_xla)
 
 BATCH, HEADS, KV_HEADS, HEAD_DIM, PAGE = 8, 8, 2, 64, 16
@@ -60,9 +60,8 @@ def sparse_step(attend: Callable, impl: str = "xla") -> Callable:
     """
 
     def step(q, k_pages, v_pages, centroid, positions):
-        scores = score_pages(group_mean_query(q, KV_HEADS), centroid)
-        page_idx, page_valid = select_pages_decode(scores, positions, K_MAX, K_MAX, PAGE, RESERVED_FIRST,
-                                                   RESERVED_LAST, impl=impl)
+        page_idx, page_valid = score_select_decode(group_mean_query(q, KV_HEADS), centroid, None, None, positions,
+                                                   K_MAX, K_MAX, PAGE, RESERVED_FIRST, RESERVED_LAST, impl=impl)
         return attend(q, k_pages, v_pages, page_idx, page_valid, positions), page_valid
 
     return step

@@ -15,7 +15,7 @@ import pytest
 from attention_refs import brute_force_sparse_decode
 
 from pallas_kernels import sparse_decode_gpu, sparse_decode_tpu, sparse_decode_triton, triton_available
-from sparrow_jax.attention import dense_decode, select_pages, sparse_decode, sparse_decode_reference
+from sparrow_jax.attention import dense_decode, score_pages, select_pages, sparse_decode, sparse_decode_reference
 from sparrow_jax.attention.cpu_kernel import cpu_kernel_available, sparse_decode_cpu
 from sparrow_jax.attention.fast_xla import sparse_decode_xla_fast
 
@@ -271,6 +271,52 @@ def test_cpu_kernel_failed_build_warns_and_leaves_no_partial_library(monkeypatch
         assert not list(tmp_path.rglob("*.so"))
     finally:
         cpu_kernel.cpu_kernel_available.cache_clear()
+
+
+@pytest.mark.parametrize("selector", ["centroid", "quest"])
+def test_cpu_score_select_equals_score_pages_then_select_pages(selector):
+    """The fused C++ score + select gives score_pages + select_pages' slots exactly, per-row
+    metadata and a pool read through a page table. Small integers make every score exact in
+    float32 whatever the summation order, so ties (broken by page index) are compared too."""
+    from sparrow_jax.attention.cpu_kernel import score_select_cpu
+    from sparrow_jax.attention.decode import score_select_decode
+
+    if not cpu_kernel_available():
+        pytest.skip("no C++ compiler here: the CPU custom call is off")
+    rng = np.random.default_rng(1)
+    ints = lambda *shape: jnp.asarray(rng.integers(-3, 4, shape).astype(np.float32))  # noqa: E731
+    b, hkv, d = 3, 2, 8
+    for trial in range(12):
+        pages = int(rng.integers(3, 30))
+        qg, low = ints(b, hkv, d), ints(b, hkv, pages, d)
+        high = low + jnp.abs(ints(b, hkv, pages, d))
+        meta = dict(centroid=(low + high) / 2, kmin=low, kmax=high) if selector == "quest" else \
+            dict(centroid=low, kmin=None, kmax=None)
+        positions = jnp.asarray(rng.integers(0, pages * 4, b), jnp.int32)
+        budget = jnp.asarray(rng.integers(-1, 12, b), jnp.int32)
+        k_max, first, last = int(rng.integers(0, 12)), int(rng.integers(0, 3)), int(rng.integers(0, 3))
+        scores = score_pages(qg, meta["centroid"], meta["kmin"], meta["kmax"], selector)
+        want = select_pages(scores, positions[:, None], budget[:, None], k_max, 4, first, last)
+        got = score_select_decode(qg, **meta, positions=positions, budget=budget, k_max=k_max, page_size=4,
+                                  reserved_first=first, reserved_last=last, selector=selector, impl="cpu")
+        # The same metadata as a shuffled pool [NP, Hkv, D] behind a page table [B, P].
+        table = rng.permutation(b * pages + 5)[:b * pages].reshape(b, pages).astype(np.int32)
+        pooled = {}
+        for name, x in meta.items():
+            if x is not None:
+                pool = np.zeros((b * pages + 5, hkv, d), np.float32)
+                pool[table] = np.moveaxis(np.asarray(x), 1, 2)
+                pooled[name] = jnp.asarray(pool)
+        got_pool = score_select_cpu(qg, pooled.get("centroid"), pooled.get("kmin"), pooled.get("kmax"), positions,
+                                    budget, k_max, 4, first, last, selector, page_table=jnp.asarray(table))
+        for w, g, gp in zip(want, got, got_pool):
+            np.testing.assert_array_equal(np.asarray(g), np.asarray(w), err_msg=f"trial {trial}")
+            np.testing.assert_array_equal(np.asarray(gp), np.asarray(w), err_msg=f"pool, trial {trial}")
+    with pytest.raises(ValueError, match="metadata must be"):
+        score_select_cpu(qg, low[..., :-1], None, None, positions, budget, 2, 4)
+    with pytest.raises(Exception, match="outside the pool"):
+        jax.block_until_ready(score_select_cpu(qg, pooled["centroid"], None, None, positions, budget, 2, 4,
+                                               page_table=jnp.full((b, pages), b * pages + 5, jnp.int32)))
 
 
 def test_cpu_select_pages_equals_select_pages_slot_for_slot():

@@ -21,7 +21,8 @@ _CHILD = textwrap.dedent(
     import json, re
     import jax, jax.numpy as jnp, numpy as np
     from jax.sharding import NamedSharding, PartitionSpec as P
-    from sparrow_jax.attention.decode import dense_decode_dispatch, resolve_impl, select_pages_decode, sparse_decode
+    from sparrow_jax.attention.decode import (dense_decode_dispatch, resolve_impl, score_select_decode,
+                                              select_pages_decode, sparse_decode)
     from sparrow_jax.parallel import make_mesh
     from sparrow_jax.models import tiny_config
     from sparrow_jax.models.forward import init_caches
@@ -88,6 +89,22 @@ _CHILD = textwrap.dedent(
     out["dense_cpu"] = dict(out_diff=float(np.abs(np.asarray(dense_ref) - np.asarray(dense_got)).max()),
                             out_shard_shape=list(dense_got.addressable_shards[0].data.shape),
                             hlo_custom_calls=[[t, re.findall(r"\[([\d,]*)\]", ops)] for t, ops in custom])
+    # the fused C++ score + select (the decode step's selection on CPU), Quest bounds as metadata
+    qg = rng.randn(B, HKV, D).astype(np.float32)
+    kmin = rng.randn(B, HKV, NP, D).astype(np.float32)
+    kmax = kmin + np.abs(rng.randn(B, HKV, NP, D)).astype(np.float32)
+    fused = jax.jit(lambda qg, lo, hi, pos, budget: score_select_decode(qg, None, lo, hi, pos, budget, 3, S,
+                                                                        selector="quest", impl="cpu"))
+    fused_ref = fused(qg, kmin, kmax, pos, budget)
+    with jax.set_mesh(mesh):
+        args = [jax.device_put(x, NamedSharding(mesh, spec if x.ndim > 1 else P(spec[0])))
+                for x in (qg, kmin, kmax, pos, budget)]
+        fused_got = fused(*args)
+        hlo = fused.lower(*args).compile().as_text()
+    custom = re.findall(r'custom_call_target="(sparrow_\w+)", operand_layout_constraints=\{(.*?)\}, api_version', hlo)
+    out["score_select_cpu"] = dict(
+        idx_equal=bool(np.array_equal(fused_ref[0], fused_got[0]) and np.array_equal(fused_ref[1], fused_got[1])),
+        hlo_custom_calls=[[t, re.findall(r"\[([\d,]*)\]", ops)] for t, ops in custom])
     caches = init_caches(tiny_config(), 8, 64, page_size=8)  # 2 KV heads, 8 pages of 8, head_dim 32
     out["unplaced_kept"] = place_kv_caches(caches) is caches  # no mesh context: untouched
     with jax.set_mesh(make_mesh(meshes["fsdp4_tensor2"])):
@@ -140,6 +157,16 @@ def test_each_kernel_call_sees_only_its_shard(sharded_kernels, mesh_name, impl):
         assert set(targets) == {"sparrow_select_pages_cpu", "sparrow_sparse_decode_cpu"}, r
         assert targets["sparrow_select_pages_cpu"][0] == f"{rows},{heads},8"  # scores [B, Hkv, P]
         assert targets["sparrow_sparse_decode_cpu"][1] == f"{rows},{heads},8,8,32"  # k_pages
+
+
+def test_fused_score_select_runs_per_shard(sharded_kernels):
+    """The decode step's C++ score + select on fsdp 4 x tensor 2: the same slots as one device,
+    one custom call on [2 rows, 1 KV head] of the queries and the Quest bounds."""
+    r = sharded_kernels["score_select_cpu"]
+    assert r["idx_equal"], r
+    targets = {t: ops for t, ops in r["hlo_custom_calls"]}
+    assert set(targets) == {"sparrow_score_select_cpu"}, r
+    assert targets["sparrow_score_select_cpu"][:3] == ["2,1,32", "2,1,8,32", "2,1,8,32"], r  # qg, kmin, kmax
 
 
 def test_dense_cpu_kernel_runs_per_shard(sharded_kernels):

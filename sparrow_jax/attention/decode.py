@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 
 from sparrow_jax.attention.contract import group_query_heads, masked_softmax_attend, sparse_decode_reference
-from sparrow_jax.attention.selection import select_pages
+from sparrow_jax.attention.selection import score_pages, select_pages
 from sparrow_jax.parallel.kernels import shard_rows_and_heads
 
 IMPLEMENTATIONS = ("auto", "reference", "xla", "cpu", "pallas_tpu", "pallas_gpu", "triton")
@@ -101,6 +101,34 @@ def _select_pages_local(scores, positions, budget, *, k_max, page_size, reserved
         from sparrow_jax.attention.cpu_kernel import select_pages_cpu
         return select_pages_cpu(scores, positions, budget, k_max, page_size, reserved_first, reserved_last)
     return select_pages(scores, positions[:, None], budget[:, None], k_max, page_size, reserved_first, reserved_last)
+
+
+def score_select_decode(qg, centroid, kmin, kmax, positions, budget, k_max: int, page_size: int,
+                        reserved_first: int = 1, reserved_last: int = 2, selector: str = "centroid",
+                        impl: str = "auto"):
+    """Page scores and block top-k selection of one decode step. Returns (page_idx, page_valid).
+
+    qg [B, Hkv, D] group-mean queries; centroid (and Quest's kmin / kmax, else None)
+    [B, Hkv, P, D]; positions, budget [B]. With the CPU kernel one C++ pass per (row, KV head)
+    scores and selects (:func:`score_select_cpu`; the scores never reach memory), per device
+    under a mesh; otherwise :func:`score_pages` + :func:`select_pages_decode`.
+    """
+    impl = resolve_impl(impl)
+    if impl != "cpu":
+        scores = score_pages(qg, centroid, kmin, kmax, selector)
+        return select_pages_decode(scores, positions, budget, k_max, page_size, reserved_first, reserved_last,
+                                   impl=impl)
+    from sparrow_jax.attention.cpu_kernel import score_select_cpu
+    budget = jnp.broadcast_to(jnp.asarray(budget, jnp.int32), positions.shape)
+    settings = dict(k_max=k_max, page_size=page_size, reserved_first=reserved_first, reserved_last=reserved_last,
+                    selector=selector)
+    if selector == "quest":
+        if kmin is None or kmax is None:
+            raise ValueError("quest selector needs a cache built with with_minmax=True")
+        local = lambda q, lo, hi, pos, bud: score_select_cpu(q, None, lo, hi, pos, bud, **settings)  # noqa: E731
+        return shard_rows_and_heads(local, qg, kmin, kmax, positions, budget, kv_heads=qg.shape[1])
+    local = lambda q, c, pos, bud: score_select_cpu(q, c, None, None, pos, bud, **settings)  # noqa: E731
+    return shard_rows_and_heads(local, qg, centroid, positions, budget, kv_heads=qg.shape[1])
 
 
 def dense_decode_dispatch(q, k_pages, v_pages, positions, scale=None, impl="auto"):

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 
 from sparrow_jax.attention.cache import PagedKVCache, append_token, init_cache, write_prefill
 from sparrow_jax.attention.causal import causal_attention, causal_attention_prefill
-from sparrow_jax.attention.decode import dense_decode_dispatch, select_pages_decode, sparse_decode
+from sparrow_jax.attention.decode import dense_decode_dispatch, score_select_decode, sparse_decode
 from sparrow_jax.attention.contract import selected_page_mask
 from sparrow_jax.attention.selection import group_mean_query, score_pages, select_pages
 from sparrow_jax.models.config import Qwen3Config
@@ -171,9 +171,9 @@ def decode_step(config: Qwen3Config, params: Params, tokens: jax.Array, position
             out = dense_decode_dispatch(q1, cache.k, cache.v, positions, impl=impl)
         else:
             qg = group_mean_query(q1, config.num_key_value_heads)
-            scores = score_pages(qg, cache.centroid, cache.kmin, cache.kmax, schedule.selector)
-            idx, valid = select_pages_decode(scores, positions, budget, k_max, schedule.page_size,
-                                             schedule.reserved_first, schedule.reserved_last, impl=impl)
+            idx, valid = score_select_decode(qg, cache.centroid, cache.kmin, cache.kmax, positions, budget, k_max,
+                                             schedule.page_size, schedule.reserved_first, schedule.reserved_last,
+                                             schedule.selector, impl=impl)
             out = sparse_decode(q1, cache.k, cache.v, idx, valid, positions, impl=impl)
         return out[:, None]
 

@@ -20,8 +20,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from sparrow_jax.attention.cache import PagedKVCache, running_page_metadata
-from sparrow_jax.attention.decode import dense_decode, resolve_impl, select_pages_decode, sparse_decode
-from sparrow_jax.attention.selection import group_mean_query, score_pages
+from sparrow_jax.attention.decode import dense_decode, resolve_impl, score_select_decode, sparse_decode
+from sparrow_jax.attention.selection import group_mean_query
 
 SCRATCH_PAGE = 0
 
@@ -125,18 +125,21 @@ def paged_decode(q: jax.Array, pool: PoolLayer, page_table: jax.Array, positions
     """
     cpu = resolve_impl(impl) == "cpu"
     if cpu:
-        from sparrow_jax.attention.cpu_kernel import paged_decode_cpu
+        from sparrow_jax.attention.cpu_kernel import paged_decode_cpu, score_select_cpu
     if schedule is None:
         if cpu:
             return paged_decode_cpu(q, pool.k, pool.v, page_table, positions)
         return dense_decode(q, _row_view(pool.k, page_table), _row_view(pool.v, page_table), positions)
-    meta = lambda x: None if x is None else _row_view(x, page_table)  # [B, Hkv, W, D]
-    scores = score_pages(group_mean_query(q, pool.k.shape[1]), meta(pool.centroid), meta(pool.kmin),
-                         meta(pool.kmax), schedule.selector)
-    idx, valid = select_pages_decode(scores, positions, budget, k_max, schedule.page_size,
-                                     schedule.reserved_first, schedule.reserved_last, impl=impl)
-    if cpu:
+    qg = group_mean_query(q, pool.k.shape[1])
+    select = dict(k_max=k_max, page_size=schedule.page_size, reserved_first=schedule.reserved_first,
+                  reserved_last=schedule.reserved_last, selector=schedule.selector)
+    if cpu:  # scored and selected in one C++ pass over the pool's metadata, attended in another
+        idx, valid = score_select_cpu(qg, pool.centroid, pool.kmin, pool.kmax, positions, budget, **select,
+                                      page_table=page_table)
         return paged_decode_cpu(q, pool.k, pool.v, page_table, positions, idx, valid)
+    meta = lambda x: None if x is None else _row_view(x, page_table)  # [B, Hkv, W, D]
+    idx, valid = score_select_decode(qg, meta(pool.centroid), meta(pool.kmin), meta(pool.kmax), positions, budget,
+                                     **select, impl=impl)
     return sparse_decode(q, _row_view(pool.k, page_table), _row_view(pool.v, page_table), idx, valid, positions,
                          impl=impl)
 

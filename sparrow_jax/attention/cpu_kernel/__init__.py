@@ -35,6 +35,7 @@ TARGET = "sparrow_sparse_decode_cpu"
 SELECT_TARGET = "sparrow_select_pages_cpu"
 DENSE_TARGET = "sparrow_dense_decode_cpu"
 PAGED_TARGET = "sparrow_paged_decode_cpu"
+SCORE_SELECT_TARGET = "sparrow_score_select_cpu"
 SOURCE = Path(__file__).with_name("sparse_decode_cpu.cc")
 FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp-simd", "-std=c++17", "-shared", "-fPIC")
 
@@ -92,6 +93,8 @@ def cpu_kernel_available() -> bool:
         jax.ffi.register_ffi_target(SELECT_TARGET, jax.ffi.pycapsule(library.SparrowSelectPagesCpu), platform="cpu")
         jax.ffi.register_ffi_target(DENSE_TARGET, jax.ffi.pycapsule(library.SparrowDenseDecodeCpu), platform="cpu")
         jax.ffi.register_ffi_target(PAGED_TARGET, jax.ffi.pycapsule(library.SparrowPagedDecodeCpu), platform="cpu")
+        jax.ffi.register_ffi_target(SCORE_SELECT_TARGET, jax.ffi.pycapsule(library.SparrowScoreSelectCpu),
+                                    platform="cpu")
     except Exception as exc:  # any build/load problem: warn once and keep the XLA path
         warnings.warn(f"CPU sparse decode kernel unavailable ({type(exc).__name__}: {str(exc)[:500]}); "
                       "using the XLA path")
@@ -189,3 +192,44 @@ def select_pages_cpu(scores: jax.Array, positions: jax.Array, budget: jax.Array,
         scores.astype(jnp.float32), positions.astype(jnp.int32), jnp.asarray(budget, jnp.int32),
         k_max=np.int64(k_max), page_size=np.int64(page_size), reserved_first=np.int64(reserved_first),
         reserved_last=np.int64(reserved_last))
+
+
+def score_select_cpu(qg: jax.Array, centroid: jax.Array, kmin: Optional[jax.Array], kmax: Optional[jax.Array],
+                     positions: jax.Array, budget: jax.Array, k_max: int, page_size: int, reserved_first: int = 1,
+                     reserved_last: int = 2, selector: str = "centroid", page_table: Optional[jax.Array] = None):
+    """Page scores and block top-k selection of one decode step in one C++ pass.
+
+    qg [B, Hkv, D] group-mean queries; metadata (``centroid``, or Quest's ``kmin`` / ``kmax``)
+    per row [B, Hkv, P, D], or a pool [NP, Hkv, D] read through ``page_table`` [B, W] (P = W).
+    positions, budget [B]. Returns (page_idx int32, page_valid bool), both
+    [B, Hkv, reserved_first + min(k_max, P) + reserved_last]: the slots of
+    ``select_pages_cpu(score_pages(qg, ...))`` (scores summed in another order: pages whose
+    scores tie to float rounding may swap).
+    """
+    if not cpu_kernel_available():
+        raise RuntimeError("the CPU sparse decode kernel is unavailable (see the warning); use impl='xla'")
+    if selector not in ("centroid", "quest"):
+        raise ValueError(f"unknown page selector {selector!r}; expected 'centroid' or 'quest'")
+    if selector == "quest" and (kmin is None or kmax is None):
+        raise ValueError("quest selector needs a cache built with with_minmax=True")
+    b, hkv, d = qg.shape
+    budget = jnp.broadcast_to(jnp.asarray(budget, jnp.int32), (b,))
+    meta_a, meta_b = (kmin, kmax) if selector == "quest" else (centroid, centroid)
+    if page_table is None:
+        page_table, num_pages = jnp.zeros((b, 0), jnp.int32), meta_a.shape[2]
+        expected = (b, hkv, num_pages, d)
+    else:
+        num_pages = page_table.shape[1]
+        expected = (meta_a.shape[0], hkv, d)
+    if meta_a.shape != expected or meta_b.shape != expected or positions.shape != (b,):
+        raise ValueError(f"score_select_cpu: metadata must be {expected} and positions [B={b}], got "
+                         f"{meta_a.shape}, {meta_b.shape}, {positions.shape}")
+    k_max = min(int(k_max), num_pages)
+    slots = reserved_first + k_max + reserved_last
+    out = (jax.ShapeDtypeStruct((b, hkv, slots), jnp.int32), jax.ShapeDtypeStruct((b, hkv, slots), jnp.bool_))
+    f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
+    return jax.ffi.ffi_call(SCORE_SELECT_TARGET, out)(
+        f32(qg), f32(meta_a), f32(meta_b), page_table.astype(jnp.int32), positions.astype(jnp.int32),
+        budget, k_max=np.int64(k_max), page_size=np.int64(page_size),
+        reserved_first=np.int64(reserved_first), reserved_last=np.int64(reserved_last),
+        quest=np.int64(selector == "quest"))
