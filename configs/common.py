@@ -61,7 +61,8 @@ def schedule_config() -> ConfigDict:
 
 def online_schedule_config() -> ConfigDict:
     return ConfigDict(dict(
-        start="calibrated",  # first schedule: calibrated | preset | fixed | dense (uses schedule.preset / topk)
+        start="calibrated",  # first schedule: calibrated | preset | fixed (schedule.preset / topk) | dense (per bin, the
+        #                      top-k covering the bin's whole context)
         tau=0.86,  # target p5 acceptance rate per position bin
         margin=0.03,  # hysteresis: a bin's budget falls only when confidently above tau + margin
         up_levels=2,  # grid levels a bin rises in one step when its smoothed p5 is below tau

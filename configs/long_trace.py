@@ -9,8 +9,9 @@ configs/quickstart.py is this config.
 
 The warm-up ships (sparrow_jax/sft/checkpoints/long_trace/, found by its settings' hash);
 ``python -m experiments.warmup --config configs/long_trace.py --noshipped`` retrains it.
-Generated tokens fall in absolute-position bins of 128 from 896 on (prompts of 884-890 tokens;
-the first few tokens of each trace fall in the 768 bin). The RL run reports
+Every prompt is 888 tokens, so position bins of 148 (888 = 6 x 148) are bins of generated
+positions: 0-147, 148-295, ... of each trace, with no thin bin of the traces' first few tokens
+(with bins of 128 the 768 bin held only positions 888-895 of each row). The RL run reports
 completion_tokens_mean, sparse_token_fraction, p5_by_bin and the rollout speedup measured in
 the run; calibration.json holds the budget x bin table.
 """
@@ -41,7 +42,10 @@ def get_config():
     c.task.context_tokens = 896  # ~150 records of 6 tokens
     c.task.hops = 104  # 105 record lines of 6 tokens + the answer: ~635 generated tokens
     c.schedule.page_size = 16
-    c.schedule.bin_width = 128  # prompts of 884-896 tokens: bins from 896 on cover the trace, 128 tokens each
+    c.schedule.bin_width = 148  # prompts of 888 tokens = 6 bins: generated positions in bins of 148
+    # Falls after 2 steps of evidence at a budget (the minimum for a noise estimate): a run of 12 steps
+    # has room for the 3-4 falls a dense start needs to reach the calibrated budgets.
+    c.schedule.online.patience = 2
     c.schedule.dense_layers = ()  # both sparse: layer 0 reads the last tokens (always-kept pages)
     # Quest's per-channel key bounds find the one record a lookup needs; a page's mean key (centroid)
     # blurs it with its neighbours (teacher-forced on reference traces at top-k 32: p5 0.87 vs 0.56).

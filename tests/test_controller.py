@@ -12,7 +12,7 @@ from sparrow_jax.rl.trainer import LoopState
 from sparrow_jax.run.specs import CHOICES, ConfigError, parse_spec
 from sparrow_jax.rollout.schedule import SparsitySchedule, k_max_bucket
 from sparrow_jax.rollout.schedule_control import (ControllerSettings, controller_step, controller_step_jit,
-                                                  controller_topk, init_controller, topk_grid)
+                                                  controller_topk, dense_topk_by_bin, init_controller, topk_grid)
 
 GRID = topk_grid(64, levels_per_octave=4)
 SETTINGS = ControllerSettings(grid=GRID, tau=0.86, margin=0.03, up_levels=2, down_levels=1, min_tokens=100,
@@ -57,6 +57,18 @@ def test_init_rounds_up_onto_the_grid_expands_bins_and_is_monotone():
     np.testing.assert_array_equal(controller_topk(SETTINGS, s), [10, 10, 10, 10])
     s = init_controller(SETTINGS, (1, 500), num_bins=2)  # above the grid: its top
     np.testing.assert_array_equal(controller_topk(SETTINGS, s), [1, 64])
+
+
+def test_dense_start_is_each_bins_own_context():
+    """Bins of 128 positions, pages of 16, 3 reserved: the last position of bin i sees 8 (i + 1) pages."""
+    assert dense_topk_by_bin(4, 128, 16, 3) == (5, 13, 21, 29)
+    assert dense_topk_by_bin(2, 100, 16, 1) == (6, 12)  # positions 99 and 199: 7 and 13 pages
+    assert dense_topk_by_bin(1, 16, 16, 3) == (0,)  # fewer pages than reserved: nothing to select
+    # on the grid: rounded up, so every token of the bin still sees its whole context
+    start = controller_topk(SETTINGS, init_controller(SETTINGS, dense_topk_by_bin(4, 128, 16, 3), 4))
+    np.testing.assert_array_equal(start, [5, 14, 24, 32])
+    with pytest.raises(ValueError, match="bin_width"):
+        dense_topk_by_bin(2, 0, 16, 3)
 
 
 def test_rises_fast_when_below_tau():
@@ -261,7 +273,8 @@ def test_trainer_steers_the_table_from_the_step_metrics(tmp_path):
 
 def test_online_loop_resumes_exactly_with_the_controller_in_the_checkpoint(tmp_path):
     """Online, dense start: 2 steps straight vs 1 step, a restart, 1 more: the same loop state, controller
-    included; p5 = 1 at the dense budget, so after the second step (patience 2) the table falls one level."""
+    included; p5 = 1 at the dense budget, so after the second step (patience 2) the table falls one level.
+    Bin 0 (positions < 64, pages of 8) starts at its own dense top-k: 8 pages less 3 reserved."""
     from sparrow_jax.rl.trainer import train
     from sparrow_jax.run.context import build_run_context
 
@@ -270,8 +283,8 @@ def test_online_loop_resumes_exactly_with_the_controller_in_the_checkpoint(tmp_p
     first = train(_online_spec(tmp_path / "b", "dense", 1), ctx, progress=False)
     resumed = train(_online_spec(tmp_path / "b", "dense", 2), ctx, progress=False)
     dense = [h["schedule/topk/bin_0"] for h in straight.history]
-    assert dense == [h["schedule/topk/bin_0"] for h in first.history + resumed.history] == [6.0, 6.0]
-    assert int(straight.state.topk[0]) == 5  # the well-filled bin 0 fell one level (grid ... 4 5 6)
+    assert dense == [h["schedule/topk/bin_0"] for h in first.history + resumed.history] == [5.0, 5.0]
+    assert int(straight.state.topk[0]) == 4  # the well-filled bin 0 fell one level (grid ... 4 5 6)
     same = jax.tree.map(lambda a, b: bool(np.array_equal(np.asarray(a), np.asarray(b))), straight.state, resumed.state)
     assert all(jax.tree.leaves(same)) and resumed.state.controller is not None
 

@@ -36,7 +36,7 @@ from sparrow_jax.rl.train_step import (Batch, DistillOptions, LoraState, StepOpt
                                        make_optimizer, train_step)
 from sparrow_jax.rollout import SparsitySchedule, generate, generate_continuous
 from sparrow_jax.rollout.schedule_control import (ControllerSettings, ControllerState, controller_step_jit,
-                                                  controller_topk, init_controller, topk_grid)
+                                                  controller_topk, dense_topk_by_bin, init_controller, topk_grid)
 
 if TYPE_CHECKING:
     from sparrow_jax.run.specs import DistillSpec, RunSpec, ScheduleSpec, TrainSpec
@@ -213,7 +213,9 @@ def init_state(loop: Loop) -> LoopState:
     topk = loop.ctx.schedule.topk if loop.ctx.schedule is not None else (0,)
     controller = None
     if loop.controller is not None:  # online: one top-k per train-step bin, from the start schedule
-        start = (loop.controller.grid[-1],) if spec.schedule.online.start == "dense" else topk
+        layout, opts = loop.ctx.schedule, loop.opts
+        start = (dense_topk_by_bin(opts.num_bins, opts.bin_width, layout.page_size, layout.reserved)
+                 if spec.schedule.online.start == "dense" else topk)
         controller = init_controller(loop.controller, start, loop.opts.num_bins)
         topk = controller_topk(loop.controller, controller)
     return LoopState(train, lora, jnp.asarray(topk, jnp.int32), jnp.asarray(False), jnp.zeros((2,), jnp.int32),

@@ -162,6 +162,20 @@ class ControllerState(NamedTuple):
     traffic: jax.Array
 
 
+def dense_topk_by_bin(num_bins: int, bin_width: int, page_size: int, reserved: int) -> tuple[int, ...]:
+    """Per position bin, the smallest top-k that is dense for every token of the bin: the pages
+    visible at the bin's last position, less the always-kept reserved pages.
+
+    The controller's dense start: a bin starting at the global dense top-k (that of the longest
+    sequence) would spend its first falls on budgets above its own context, which change nothing.
+    """
+    for name, v, lo in (("num_bins", num_bins, 1), ("bin_width", bin_width, 1), ("page_size", page_size, 1),
+                        ("reserved", reserved, 0)):
+        if not isinstance(v, (int, np.integer)) or v < lo:
+            raise ValueError(f"{name}: expected an int >= {lo}, got {v!r}")
+    return tuple(max(-(-((i + 1) * bin_width) // page_size) - reserved, 0) for i in range(num_bins))
+
+
 def init_controller(settings: ControllerSettings, start_topk: Sequence[int], num_bins: int) -> ControllerState:
     """State for ``num_bins`` bins starting at ``start_topk`` (one value per bin, or fewer: the last repeats).
 
