@@ -33,10 +33,24 @@ _PROBE = textwrap.dedent(
     rows = np.arange(8 * 6, dtype=np.float32).reshape(8, 6)
     x = shard_batch(rows, mesh)  # rows over fsdp: each process holds half of them
     total = float(jax.jit(jnp.sum)(x))
+    # process-local rows: this process's block of an 8-row batch in groups of 2, a global array from
+    # the blocks, and a gather of per-row host values
+    from sparrow_jax.parallel.process_rows import gather_rows, process_rows, rows_to_global
+    start, stop = process_rows(mesh, 8, 2)
+    built = rows_to_global(rows[start:stop], mesh, 8)
+    try:
+        process_rows(mesh, 8, 8)
+        split_error = ""
+    except ValueError as e:
+        split_error = str(e)
     print("PROBE " + json.dumps(dict(pid=jax.process_index(), count=jax.process_count(), devices=jax.device_count(),
                                      local=jax.local_device_count(), addressable=x.is_fully_addressable,
                                      gathered_equal=bool(np.array_equal(host_array(x), rows)), total=total,
-                                     primary=is_primary())), flush=True)
+                                     primary=is_primary(), block=[start, stop],
+                                     built_equal=bool(np.array_equal(host_array(built), rows)),
+                                     built_sharding_equal=built.sharding == x.sharding,
+                                     gathered_rows=gather_rows(rows[start:stop, 0]).tolist(),
+                                     split_error=split_error)), flush=True)
     '''
 )
 
@@ -53,11 +67,16 @@ def test_two_processes_share_one_mesh(probe, capfd):
     assert launch(2, 4, ["unused"], module=probe) == 0
     lines = [json.loads(line.split("PROBE ", 1)[1]) for line in capfd.readouterr().out.splitlines() if "PROBE " in line]
     assert sorted(r["pid"] for r in lines) == [0, 1]
+    rows_col0 = [float(6 * i) for i in range(8)]
     for r in lines:
         assert (r["count"], r["devices"], r["local"]) == (2, 8, 4)
         assert not r["addressable"] and r["gathered_equal"]  # spans processes; an explicit gather reads it
         assert r["total"] == float(sum(range(48)))
         assert r["primary"] == (r["pid"] == 0)
+        # each process holds one half of the rows: samples them, then builds the global batch from the halves
+        assert r["block"] == [4 * r["pid"], 4 * r["pid"] + 4]
+        assert r["built_equal"] and r["built_sharding_equal"]
+        assert r["gathered_rows"] == rows_col0 and "splits groups of 8" in r["split_error"]
 
 
 def test_a_failing_process_stops_the_run(probe, monkeypatch):

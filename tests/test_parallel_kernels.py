@@ -105,6 +105,22 @@ _CHILD = textwrap.dedent(
     out["score_select_cpu"] = dict(
         idx_equal=bool(np.array_equal(fused_ref[0], fused_got[0]) and np.array_equal(fused_ref[1], fused_got[1])),
         hlo_custom_calls=[[t, re.findall(r"\[([\d,]*)\]", ops)] for t, ops in custom])
+    # prefill under the mesh: prompts and lengths split over rows, so each device prefills its rows
+    from sparrow_jax.models import init_params
+    from sparrow_jax.models.forward import prefill
+    from sparrow_jax.parallel.kernels import place_rows
+    prompts = rng.randint(1, 100, (8, 32)).astype(np.int32)
+    lengths = rng.randint(8, 32, 8).astype(np.int32)
+    tiny = tiny_config()
+    tiny_params = init_params(tiny, seed=0)
+    with jax.set_mesh(make_mesh(meshes["fsdp4_tensor2"])):
+        placed_prompts, placed_lengths = place_rows((prompts, lengths))
+        prefill_hlo = prefill.lower(tiny, tiny_params, placed_prompts, placed_lengths,
+                                    place_kv_caches(init_caches(tiny, 8, 64, page_size=8))).compile().as_text()
+    entry = prefill_hlo[prefill_hlo.index("ENTRY"):].split("\n", 1)[0]
+    out["prefill"] = dict(prompt_shard_shape=list(placed_prompts.addressable_shards[0].data.shape),
+                          length_shard_shape=list(placed_lengths.addressable_shards[0].data.shape),
+                          int_params=sorted(set(re.findall(r"s32\[[\d,]*\]", entry))))
     caches = init_caches(tiny_config(), 8, 64, page_size=8)  # 2 KV heads, 8 pages of 8, head_dim 32
     out["unplaced_kept"] = place_kv_caches(caches) is caches  # no mesh context: untouched
     with jax.set_mesh(make_mesh(meshes["fsdp4_tensor2"])):
@@ -167,6 +183,14 @@ def test_fused_score_select_runs_per_shard(sharded_kernels):
     targets = {t: ops for t, ops in r["hlo_custom_calls"]}
     assert set(targets) == {"sparrow_score_select_cpu"}, r
     assert targets["sparrow_score_select_cpu"][:3] == ["2,1,32", "2,1,8,32", "2,1,8,32"], r  # qg, kmin, kmax
+
+
+def test_prefill_runs_per_device_on_its_rows(sharded_kernels):
+    """generate's prefill inputs are split over rows (fsdp 4: 2 of 8 rows per device), and the
+    compiled, partitioned prefill takes [2, 32] prompts and [2] lengths per device."""
+    r = sharded_kernels["prefill"]
+    assert r["prompt_shard_shape"] == [2, 32] and r["length_shard_shape"] == [2], r
+    assert "s32[2,32]" in r["int_params"] and "s32[8,32]" not in r["int_params"], r
 
 
 def test_dense_cpu_kernel_runs_per_shard(sharded_kernels):

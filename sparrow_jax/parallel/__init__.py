@@ -8,7 +8,7 @@ See docs/scale_out.md.
 """
 from sparrow_jax.parallel.distributed import (distributed_settings, host_array, initialize_distributed, is_primary,
                                               process_info)
-from sparrow_jax.parallel.kernels import (kernel_mesh, mesh_context, place_kv_caches, rows_heads_spec,
+from sparrow_jax.parallel.kernels import (kernel_mesh, mesh_context, place_kv_caches, place_rows, rows_heads_spec,
                                           shard_rows_and_heads)
 from sparrow_jax.parallel.mesh import AXES, BATCH_AXES, axis_size, make_abstract_mesh, make_mesh, mesh_shape
 from sparrow_jax.parallel.sharding import (LOGICAL_RULES, abstract_target, batch_shardings, batch_spec,
@@ -20,7 +20,8 @@ from sparrow_jax.parallel.sharding import (LOGICAL_RULES, abstract_target, batch
 __all__ = [
     "AXES", "BATCH_AXES", "LOGICAL_RULES", "abstract_target", "axis_size", "batch_shardings", "batch_spec",
     "cache_shardings", "cache_spec", "describe", "distributed_settings", "host_array", "initialize_distributed",
-    "is_primary", "kernel_mesh", "logical_to_spec", "mesh_context", "place_kv_caches", "rows_heads_spec", "shard_rows_and_heads", "make_abstract_mesh", "make_mesh", "mesh_shape", "mirror_shardings",
+    "is_primary", "kernel_mesh", "logical_to_spec", "mesh_context", "place_kv_caches", "place_rows",
+    "rows_heads_spec", "shard_rows_and_heads", "make_abstract_mesh", "make_mesh", "mesh_shape", "mirror_shardings",
     "opt_state_shardings", "param_logical_axes", "param_shardings", "param_spec", "param_specs",
     "process_info", "shard_batch", "shard_caches", "shard_params", "shard_to", "shard_train_state",
     "train_state_shardings",

@@ -22,7 +22,7 @@ import jax
 from jax.sharding import AbstractMesh, Mesh, PartitionSpec as P
 
 from sparrow_jax.parallel.mesh import AXES
-from sparrow_jax.parallel.sharding import logical_to_spec, shard_caches
+from sparrow_jax.parallel.sharding import logical_to_spec, shard_batch, shard_caches
 
 
 def mesh_context(mesh: Optional[Mesh]) -> contextlib.AbstractContextManager:
@@ -36,6 +36,14 @@ def kernel_mesh() -> Optional[AbstractMesh]:
     if mesh.empty or mesh.size == 1 or not set(AXES) <= set(mesh.axis_names):
         return None
     return mesh
+
+
+def place_rows(tree: Any) -> Any:
+    """Arrays [B, ...] (a pytree) split over rows of the context mesh, e.g. the prompts and
+    lengths of a prefill, which XLA then runs per device on its rows; unchanged without one."""
+    if kernel_mesh() is None:
+        return tree
+    return shard_batch(tree, jax.sharding.get_mesh())
 
 
 def place_kv_caches(caches: Any) -> Any:

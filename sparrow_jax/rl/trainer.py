@@ -9,6 +9,7 @@ metric history and the final evaluation.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import time
@@ -26,12 +27,14 @@ from sparrow_jax.io.checkpoint import CheckpointManager
 from sparrow_jax.io.metrics import MetricWriter, ProgressBar
 from sparrow_jax.mismatch.calibrate import validate as validate_schedule
 from sparrow_jax.models.lora import LoraConfig, init_lora, with_lora
-from sparrow_jax.parallel import is_primary, make_mesh, mesh_context, shard_batch, shard_params, shard_train_state
+from sparrow_jax.parallel import (host_array, is_primary, make_mesh, mesh_context, shard_batch, shard_params,
+                                  shard_train_state)
+from sparrow_jax.parallel.process_rows import gather_rows, process_rows, rows_to_global
 from sparrow_jax.rl.advantages import group_advantages
-from sparrow_jax.rl.collect import CollectOptions, collect_batch
+from sparrow_jax.rl.collect import CollectOptions, collect_batch, completion_lens
 from sparrow_jax.rl.context import RunContext
 from sparrow_jax.rl.guards import assert_finite, nonfinite_streak
-from sparrow_jax.rl.long_cot import mask_truncated
+from sparrow_jax.rl.long_cot import mask_truncated, response_length_metrics
 from sparrow_jax.rl.train_step import (Batch, DistillOptions, LoraState, StepOptions, TrainState, init_train_state,
                                        make_optimizer, train_step)
 from sparrow_jax.rollout import SparsitySchedule, generate, generate_continuous
@@ -111,12 +114,15 @@ def score(ctx: RunContext, completions: list[str], examples: list[dict], pool: O
 
 
 def sample(ctx: RunContext, params, examples: list[dict], key, repeats: int, schedule: Optional[SparsitySchedule],
-           pool: Optional[RewardPool] = None):
-    """``repeats`` completions per example with ``params`` under ``schedule``; (rollout, rewards [B])."""
+           pool: Optional[RewardPool] = None, first_request: int = 0):
+    """``repeats`` completions per example with ``params`` under ``schedule``; (rollout, rewards [B]).
+
+    ``first_request``: the global index of the first row (the PRNG key of each row follows it)."""
     rows = [e for e in examples for _ in range(repeats)]
     engine = generate_continuous if ctx.engine == "continuous" else generate
     rollout = engine(ctx.model_config, params, [ctx.encode(e) for e in rows], key, ctx.sampling,
-                     schedule=schedule, impl=ctx.impl, pad_id=ctx.tokenizer.pad_id, progress=ctx.decode_progress)
+                     schedule=schedule, impl=ctx.impl, pad_id=ctx.tokenizer.pad_id, progress=ctx.decode_progress,
+                     first_request=first_request)
     completions = [ctx.tokenizer.decode(rollout.tokens[b, rollout.prompt_lens[b]:rollout.lengths[b]].tolist())
                    for b in range(len(rows))]
     return rollout, score(ctx, completions, rows, pool)
@@ -157,8 +163,9 @@ def current_schedule(loop: Loop, state: LoopState) -> Optional[SparsitySchedule]
     return None if base is None else dataclasses.replace(base, topk=topk)
 
 
-def _pad_batch(rollout, length_bucket: int = 64):
-    t = -(-int(rollout.lengths.max()) // length_bucket) * length_bucket
+def _pad_batch(rollout, max_len: int, length_bucket: int = 64):
+    """tokens, completion mask and log-probs [B, T]: T is ``max_len`` rounded up to ``length_bucket``."""
+    t = -(-int(max_len) // length_bucket) * length_bucket
     fit = lambda x: np.pad(x[:, :t], ((0, 0), (0, t - min(t, x.shape[1]))))
     return fit(rollout.tokens), fit(rollout.completion_mask).astype(np.float32), fit(rollout.logprobs)
 
@@ -263,29 +270,57 @@ def collect_options(spec: RunSpec) -> CollectOptions:
 
 def collect(loop: Loop, state: LoopState, key) -> tuple[Batch, dict, jax.Array]:
     """Sample a group of completions per prompt with the actor, score them, shape and filter the
-    groups (DAPO options); (batch, metrics, data position after the prompts used)."""
+    groups (DAPO options); (batch, metrics, data position after the prompts used).
+
+    On several processes each one samples and scores only the prompts of its block of the
+    batch's rows (:func:`process_rows`), on its own devices with a full copy of the actor, and
+    the batch is assembled from the blocks; the row PRNG keys follow the global row index, so
+    the tokens are those one process would draw."""
     t0 = time.perf_counter()
     g, actor, schedule = loop.spec.rollout.group_size, actor_params(loop, state), current_schedule(loop, state)
+    num_rows = loop.spec.rollout.prompts_per_step * g
+    start, stop = process_rows(loop.mesh, num_rows, g)
+    local = stop - start < num_rows
+    if local:
+        if loop.spec.train.dynamic_sampling:
+            raise ValueError("train.dynamic_sampling needs every process to sample the whole batch (its rounds "
+                             "differ per process); turn it off when the batch's rows span processes")
+        actor = jax.tree.map(host_array, actor)
+        if int(state.step) == 0:
+            print(f"[train] process {jax.process_index()} samples and scores rows [{start}, {stop}) of {num_rows} "
+                  f"on its {jax.local_device_count()} devices", flush=True)
+    gather = gather_rows if local else np.asarray  # per-row host values of the whole batch
     data = state.data
 
     def sample_round(i: int):  # dynamic sampling draws further rounds of fresh prompts
         nonlocal data
         examples, data = next_examples(loop, state._replace(data=data))
         before = pool_counts(loop.pool)
-        rollout, rewards = sample(loop.ctx, actor, examples, key if i == 0 else jax.random.fold_in(key, 3 + i), g,
-                                  schedule, loop.pool)
+        with jax.set_mesh(None) if local else contextlib.nullcontext():  # this process's devices only
+            rollout, rewards = sample(loop.ctx, actor, examples[start // g:stop // g],
+                                      key if i == 0 else jax.random.fold_in(key, 3 + i), g, schedule, loop.pool,
+                                      first_request=start)
         timeouts, errors = pool_counts(loop.pool) - before
         return rollout, rewards, {"reward/timeouts": timeouts, "reward/errors": errors}
 
     rollout, rewards, rows_in_loss, metrics = collect_batch(sample_round, collect_options(loop.spec))
-    adv = group_advantages(jnp.asarray(rewards), g, mode=loop.spec.train.adv_mode)
-    tokens, mask, logp = _pad_batch(rollout)
-    batch = shard_batch(Batch(tokens, mask_truncated(mask, ~rows_in_loss), logp, adv, rollout.prompt_lens), loop.mesh)
+    adv = np.asarray(group_advantages(jnp.asarray(rewards), g, mode=loop.spec.train.adv_mode))
+    width = int(gather(np.asarray([rollout.lengths.max()])).max())  # the same padded length everywhere
+    tokens, mask, logp = _pad_batch(rollout, width)
+    fields = Batch(tokens, mask_truncated(mask, ~rows_in_loss), logp, adv, rollout.prompt_lens)
+    if local:
+        batch = Batch(*(rows_to_global(x, loop.mesh, num_rows) for x in fields))
+        for k in ("reward/timeouts", "reward/errors"):
+            metrics[k] = float(gather(np.asarray([metrics[k]])).sum())
+        metrics.update(response_length_metrics(gather(completion_lens(rollout)), loop.spec.rollout.max_new_tokens))
+    else:
+        batch = shard_batch(fields, loop.mesh)
+    rewards, adv, prompt_lens = (gather(np.asarray(x)) for x in (rewards, adv, rollout.prompt_lens))
+    decoded = gather(np.asarray([[rollout.stats["decode_tokens"], rollout.stats["decode_s"]]], np.float64))
     metrics.update({"reward_mean": float(rewards.mean()), "critic/score/mean": float(rewards.mean()),
-                    "critic/advantages/max": float(jnp.max(adv)), "critic/advantages/min": float(jnp.min(adv)),
-                    "prompt_length/mean": float(np.mean(rollout.prompt_lens)),
-                    "rollout/tokens_per_s": float(rollout.stats["decode_tokens"]
-                                                  / max(rollout.stats["decode_s"], 1e-9)),
+                    "critic/advantages/max": float(adv.max()), "critic/advantages/min": float(adv.min()),
+                    "prompt_length/mean": float(np.mean(prompt_lens)),
+                    "rollout/tokens_per_s": float(decoded[:, 0].sum() / max(decoded[:, 1].max(), 1e-9)),
                     "timing_s/gen": time.perf_counter() - t0})
     return batch, metrics, data
 

@@ -133,14 +133,15 @@ def generate_continuous(config: Qwen3Config, params: Params, prompts: Sequence[S
                         sampling: SamplingParams, schedule=None, impl: str = "auto", pad_id: int = 0,
                         max_total_len: Optional[int] = None, length_bucket: int = 128, max_slots: int = 64,
                         segment_steps: int = 64, max_new_per_request: Optional[Sequence[int]] = None,
-                        progress: bool = False) -> Rollout:
+                        progress: bool = False, first_request: int = 0) -> Rollout:
     """Sample completions like :func:`sparrow_jax.rollout.sampler.generate`, with continuous batching.
 
     Same arguments and output (``Rollout`` rows in prompt order, tokens [R, T] with the same T),
     plus ``max_slots`` (rows decoded at once, rounded up to a power of two) and
     ``segment_steps`` (decode steps between scheduling rounds; pages are reserved this far
     ahead) and ``max_new_per_request`` (a per-request cap on new tokens, at most
-    ``sampling.max_new_tokens``; e.g. per-prompt budgets, or forced ragged lengths). ``stats`` adds ``peak_pages``, ``pool_pages``, ``peak_cache_bytes`` (the pool's
+    ``sampling.max_new_tokens``; e.g. per-prompt budgets, or forced ragged lengths);
+    ``first_request`` is the first prompt's request index (its PRNG key). ``stats`` adds ``peak_pages``, ``pool_pages``, ``peak_cache_bytes`` (the pool's
     allocated bytes), ``peak_live_cache_bytes`` (pages in use at the peak), ``segments``
     and ``slot_steps`` (decode steps x batch size actually run).
     """
@@ -156,7 +157,7 @@ def generate_continuous(config: Qwen3Config, params: Params, prompts: Sequence[S
     if caps.shape != (num,) or caps.min() < 1 or caps.max() > max_new:
         raise ValueError(f"max_new_per_request must hold {num} values in [1, {max_new}], got shape {caps.shape}")
     end_pos = np.minimum(prompt_lens + caps - 1, cap - 1).astype(np.int32)
-    keys = np.asarray(request_keys(key, num))
+    keys = np.asarray(request_keys(key, num, first_request))
     with_minmax = schedule is not None and schedule.selector == "quest"
 
     groups: dict[tuple, _Group] = {}

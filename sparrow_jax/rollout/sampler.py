@@ -28,7 +28,7 @@ from sparrow_jax.models.config import Qwen3Config
 from sparrow_jax.models.forward import decode_step, init_caches, prefill
 from sparrow_jax.models.qwen3 import Params
 from sparrow_jax.parallel.distributed import host_array
-from sparrow_jax.parallel.kernels import place_kv_caches
+from sparrow_jax.parallel.kernels import place_kv_caches, place_rows
 from sparrow_jax.rollout.schedule import SparsitySchedule
 
 
@@ -74,10 +74,12 @@ class _LoopState(NamedTuple):
     caches: tuple
 
 
-def request_keys(key: jax.Array, num_requests: int) -> jax.Array:
-    """One PRNG key per request, ``fold_in(key, index)``: a request's draws do not depend on
-    which other requests share its batch (the fixed sampler and the rollout engine agree)."""
-    return jax.vmap(lambda i: jax.random.fold_in(key, i))(jnp.arange(num_requests))
+def request_keys(key: jax.Array, num_requests: int, first_request: int = 0) -> jax.Array:
+    """One PRNG key per request, ``fold_in(key, index)`` for indices ``first_request ..``: a
+    request's draws do not depend on which other requests share its batch (the fixed sampler
+    and the rollout engine agree; a process sampling rows ``first_request ..`` of a global
+    batch draws what one process sampling the whole batch would)."""
+    return jax.vmap(lambda i: jax.random.fold_in(key, i))(first_request + jnp.arange(num_requests))
 
 
 def token_keys(keys: jax.Array, generated: jax.Array) -> jax.Array:
@@ -183,7 +185,7 @@ def checked_prompt_lens(config: Qwen3Config, prompts: Sequence[Sequence[int]],
 def generate(config: Qwen3Config, params: Params, prompts: Sequence[Sequence[int]], key: jax.Array,
              sampling: SamplingParams, schedule=None, impl: str = "auto", pad_id: int = 0,
              max_total_len: Optional[int] = None, length_bucket: int = 128,
-             progress: bool = False, progress_every: int = 256) -> Rollout:
+             progress: bool = False, progress_every: int = 256, first_request: int = 0) -> Rollout:
     """Sample completions for a batch of prompts (lists of token ids, different lengths).
 
     Args:
@@ -194,6 +196,7 @@ def generate(config: Qwen3Config, params: Params, prompts: Sequence[Sequence[int
         ``max_position_embeddings``); a prompt that cannot fit raises ``ValueError``.
       length_bucket: buffer lengths are rounded up to this multiple to bound recompiles.
       progress: print tokens/s and current length every ``progress_every`` steps.
+      first_request: index of the first prompt's request (its PRNG key: :func:`request_keys`).
     """
     prompt_lens, cap = checked_prompt_lens(config, prompts, max_total_len)
     batch = len(prompts)
@@ -208,15 +211,18 @@ def generate(config: Qwen3Config, params: Params, prompts: Sequence[Sequence[int
     t0 = time.perf_counter()
     caches = init_caches(config, batch, buf_len, page_size=page,
                          with_minmax=schedule is not None and schedule.selector == "quest")
-    caches = prefill(config, params, jnp.asarray(tokens[:, :prefill_len]), jnp.asarray(prompt_lens - 1), caches)
-    caches = place_kv_caches(caches)  # under a mesh: rows and KV heads split, as the sparse kernels read them
+    # Under a mesh the prefill runs per device on its rows (and KV heads), and the caches come
+    # out split as the sparse kernels read them.
+    caches = place_kv_caches(caches)
+    caches = prefill(config, params, *place_rows((tokens[:, :prefill_len], prompt_lens - 1)), caches)
+    caches = place_kv_caches(caches)
     jax.block_until_ready(caches)
     prefill_s = time.perf_counter() - t0
 
     start = prompt_lens - 1
     state = _LoopState(step=jnp.zeros((), jnp.int32), tokens=jnp.asarray(tokens),
                        logprobs=jnp.zeros((batch, buf_len), jnp.float32), pos=jnp.asarray(start),
-                       done=jnp.zeros((batch,), bool), key=request_keys(key, batch), caches=caches)
+                       done=jnp.zeros((batch,), bool), key=request_keys(key, batch, first_request), caches=caches)
     end_pos = jnp.asarray(np.minimum(prompt_lens + sampling.max_new_tokens - 1, cap - 1), jnp.int32)
     if schedule is None:
         segments = [(0, sampling.max_new_tokens, 0)]
