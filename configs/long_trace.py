@@ -46,8 +46,9 @@ def get_config():
     # Falls after 2 steps of evidence at a budget (the minimum for a noise estimate): a run of 12 steps
     # has room for the 3-4 falls a dense start needs to reach the calibrated budgets.
     c.schedule.online.patience = 2
-    # A bin below tau doubles its budget (4 levels of the grid) instead of the default 2 levels: started at
-    # 16 pages the 2-level rise spent 4 steps below tau, and those steps' rollouts cost reward.
+    # A bin far below tau may double its budget in one step (4 grid levels; one level per 0.03 of
+    # shortfall): started at 16 pages, rises of at most 2 levels spent 4 steps below tau, and those
+    # steps' rollouts cost reward.
     c.schedule.online.up_levels = 4
     c.schedule.dense_layers = ()  # both sparse: layer 0 reads the last tokens (always-kept pages)
     # Quest's per-channel key bounds find the one record a lookup needs; a page's mean key (centroid)

@@ -77,6 +77,16 @@ def test_rises_fast_when_below_tau():
     np.testing.assert_array_equal(topk[:, 0], [6, 8, 12])  # two grid levels per step, every step
 
 
+def test_the_rise_is_one_level_per_margin_of_shortfall_up_to_up_levels():
+    wide = dataclasses.replace(SETTINGS, up_levels=4)  # tau 0.86, margin 0.03
+    for p5, levels in ((0.85, 1), (0.82, 2), (0.79, 3), (0.50, 4), (0.0, 4)):
+        _, topk = _run(wide, init_controller(wide, (10,), num_bins=1), [[p5]], [[400]])
+        assert GRID.index(int(topk[0, 0])) - GRID.index(10) == levels, p5
+    no_margin = dataclasses.replace(wide, margin=0.0)  # no scale: the full rise
+    _, topk = _run(no_margin, init_controller(no_margin, (10,), num_bins=1), [[0.85]], [[400]])
+    assert GRID.index(int(topk[0, 0])) - GRID.index(10) == 4
+
+
 def test_falls_slowly_only_when_confidently_above_tau_plus_margin():
     state = init_controller(SETTINGS, (16,), num_bins=1)
     rng = np.random.RandomState(0)
