@@ -1,7 +1,7 @@
 """Study at length on configs/long_trace.py's long traces, same seeds and steps for every arm:
 dense rollouts, the calibrated tau = 0.86 schedule, an aggressive fixed budget (16 pages), and the
 online controller (schedule.kind=online) started dense, started at the aggressive budget, and
-started calibrated with DistillSparse (~40 minutes on 2 CPU cores).
+started calibrated with DistillSparse (~31 minutes on an idle 2-core machine).
 
     python -m experiments.run --config configs/study_long.py
 

@@ -3,7 +3,7 @@ import math
 
 import pytest
 
-from sparrow_jax.run.pipeline import _arm_spec, p5_hold
+from sparrow_jax.run.pipeline import _arm_spec, p5_hold, paired_reward_diff
 from sparrow_jax.run.specs import ConfigError, parse_spec
 
 
@@ -72,3 +72,12 @@ def test_study_plot_grids_panels_per_arm_over_bins_with_tokens(tmp_path):
     # 3 common panels + p5 and top-k panels of the online arm = 5: two rows of 4 columns
     width, height = Image.open(path).size
     assert height > 0.4 * width
+
+
+def test_paired_reward_diff_matches_steps_and_gives_the_standard_error():
+    ref = [{"step": s, "reward_mean": r} for s, r in ((1, 0.1), (2, 0.5), (3, 0.2), (4, 0.3))]
+    arm = [{"step": s, "reward_mean": r} for s, r in ((2, 0.6), (3, 0.2), (4, 0.5), (5, 9.0))]  # step 5: no pair
+    got = paired_reward_diff(arm, ref)
+    # differences 0.1, 0.0, 0.2: mean 0.1, sd 0.1, se 0.1 / sqrt(3)
+    assert got["steps"] == 3 and got["mean"] == pytest.approx(0.1) and got["se"] == pytest.approx(0.1 / math.sqrt(3))
+    assert paired_reward_diff(arm[:1], ref) == {"mean": pytest.approx(0.1), "se": None, "steps": 1}

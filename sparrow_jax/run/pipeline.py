@@ -153,6 +153,18 @@ def p5_hold(history, threshold: float, min_tokens: float) -> dict:
             "held_fraction": float(np.mean([p >= threshold for p in after])), "cells": len(after)}
 
 
+def paired_reward_diff(hist, ref_hist) -> dict:
+    """Per-step reward of an arm minus a reference arm's, step by step: the arms share their
+    seeds, so step t samples the same prompts in both and the prompt-to-prompt variation
+    cancels. ``{"mean", "se", "steps"}`` (se: the standard error of the mean difference)."""
+    ref = {h["step"]: h["reward_mean"] for h in ref_hist}
+    diffs = np.asarray([h["reward_mean"] - ref[h["step"]] for h in hist if h["step"] in ref], np.float64)
+    if diffs.size < 2:
+        return {"mean": float(diffs.mean()) if diffs.size else None, "se": None, "steps": int(diffs.size)}
+    return {"mean": float(diffs.mean()), "se": float(diffs.std(ddof=1) / np.sqrt(diffs.size)),
+            "steps": int(diffs.size)}
+
+
 def _arm_row(spec: RunSpec, arm: str, hist) -> dict:
     rewards = [h["reward_mean"] for h in hist]
     row = {"reward_start": _window_mean(rewards), "reward_end": _window_mean(rewards[::-1]),
@@ -210,6 +222,9 @@ def run_study(spec: RunSpec) -> dict:
         arms[arm] = train(arm_spec, ctx).history
     plot_study(arms, os.path.join(spec.workdir, "study.png"))
     table = {a: _arm_row(spec, a, hist) for a, hist in arms.items()}
+    if "calibrated" in arms:  # is an arm's reward worse than the calibrated schedule's, beyond noise?
+        for a, hist in arms.items():
+            table[a]["reward_vs_calibrated"] = paired_reward_diff(hist, arms["calibrated"])
     report = {"arms": table, "tau": spec.calibration.tau, "calibrated_topk": list(calibrated.topk),
               "aggressive_topk": spec.study.aggressive_topk, "steps": spec.steps}
     atomic_write_json(os.path.join(spec.workdir, "report.json"), report)
