@@ -1,5 +1,5 @@
 """Long generated traces on a 2-layer tiny Qwen3 (both layers sparse): task pointer_trace, a
-~890-token prompt of records and a completion writing every hop of a 104-hop chain (up to 704
+888-token prompt of records and a completion writing every hop of a 104-hop chain (up to 704
 generated tokens, ~1.6K per rollout), each line needing one record from anywhere in the prompt.
 configs/quickstart.py is this config.
 

@@ -1,5 +1,5 @@
 """The README's first command: the whole Sparrow method end to end on a laptop CPU, in the regime
-it exists for, long generated traces (configs/long_trace.py: ~890-token prompts, completions of
+it exists for, long generated traces (configs/long_trace.py: 888-token prompts, completions of
 ~500+ generated tokens, a 2-layer tiny Qwen3 with both layers sparse).
 
 shipped warm-up (sparrow_jax/sft/checkpoints/long_trace/; retrained in ~17 CPU-minutes if its
