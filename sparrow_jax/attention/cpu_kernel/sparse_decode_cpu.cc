@@ -300,6 +300,14 @@ ffi::Error DenseDecodeImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::A
   return Dispatch(pool, s, Layout{}, q, k_pages, v_pages, nullptr, nullptr, positions, scale, out);
 }
 
+// Every page table entry names a page of the pool (a bad entry would read outside it).
+bool TableInPool(const int32_t* table, int64_t entries, int64_t pool_pages) {
+  for (int64_t i = 0; i < entries; ++i) {
+    if (table[i] < 0 || table[i] >= pool_pages) return false;
+  }
+  return true;
+}
+
 // Pool layout: k_pool / v_pool [NP, Hkv, S, D], page_table [B, W] s32; page_idx [B, Hkv, N]
 // logical pages (N = 0 with dense = 1: every logical page up to the query's own).
 ffi::Error PagedDecodeImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k_pool,
@@ -315,10 +323,8 @@ ffi::Error PagedDecodeImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::A
         "paged_decode_cpu: expected q [B,H,D], pool [NP,Hkv,S,D], table [B,W], idx [B,Hkv,N]");
   }
   const int32_t* table = page_table.typed_data();
-  for (int64_t i = 0; i < td[0] * td[1]; ++i) {  // a bad table entry would read outside the pool
-    if (table[i] < 0 || table[i] >= kd[0]) {
-      return ffi::Error::InvalidArgument("paged_decode_cpu: page table entry outside the pool");
-    }
+  if (!TableInPool(table, td[0] * td[1], kd[0])) {
+    return ffi::Error::InvalidArgument("paged_decode_cpu: page table entry outside the pool");
   }
   Shape s{qd[0], qd[1], kd[1], td[1], kd[2], kd[3], nd[2]};
   Layout layout{table};
@@ -437,12 +443,8 @@ ffi::Error ScoreSelectImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> qg, ffi::
   const int64_t batch = qd[0], kv_heads = qd[1], dim = qd[2];
   const int64_t num_pages = paged ? td[1] : md[2];
   const int32_t* table = page_table.typed_data();
-  if (paged) {
-    for (int64_t i = 0; i < td[0] * td[1]; ++i) {  // a bad entry would read outside the pool
-      if (table[i] < 0 || table[i] >= md[0]) {
-        return ffi::Error::InvalidArgument("score_select_cpu: page table entry outside the pool");
-      }
-    }
+  if (paged && !TableInPool(table, td[0] * td[1], md[0])) {
+    return ffi::Error::InvalidArgument("score_select_cpu: page table entry outside the pool");
   }
   const int64_t slots = reserved_first + k_max + reserved_last;
   const float* q = qg.typed_data();
