@@ -7,8 +7,11 @@ configs/quickstart.py is this config.
     python -m experiments.calibrate --config configs/long_trace.py   # budget x bin -> p5 -> schedule
     python -m experiments.run --config configs/long_trace.py         # warm-up, calibration, GRPO, report
 
-The warm-up ships (sparrow_jax/sft/checkpoints/long_trace/, found by its settings' hash);
-``python -m experiments.warmup --config configs/long_trace.py --noshipped`` retrains it.
+The warm-up ships (sparrow_jax/sft/checkpoints/long_trace/, found by its settings' hash), and so
+does its main phase (long_trace_base/: the curriculum, which the refine run continues);
+``python -m experiments.warmup --config configs/long_trace.py`` without the first retrains only
+the refine run (~9 minutes), ``--noshipped`` retrains both (the curriculum is chaotic: retrained
+on another machine it can settle elsewhere, hence the shipped files).
 Every prompt is 888 tokens, so position bins of 148 (888 = 6 x 148) are bins of generated
 positions: 0-147, 148-295, ... of each trace, with no thin bin of the traces' first few tokens
 (with bins of 128 the 768 bin held only positions 888-895 of each row). The RL run reports
@@ -37,6 +40,10 @@ def get_config():
         steps=1800, batch_size=32, lr=3e-3, min_context=16, max_train_context=80, max_train_hops=8,
         queries_per_example=1, prompt_weight=0.3, final_frac=100 / 1800, final_batch_size=2, seed=0,
         curriculum=((800, 32, 3, 32), (300, 64, 6, 32), (250, 128, 12, 24), (200, 256, 24, 12), (150, 512, 48, 6)),
+        # then a warm restart on the task's own 1.6K-token rows (WarmupSettings.refine_steps): the
+        # schedule above meets them only at the end of its decay (reference NLL still falling,
+        # 0.10; greedy 104-hop reward 0.04), 300 more steps of 4 rows at 1e-3 take it to ~0.005.
+        refine_steps=300, refine_lr=1e-3, refine_batch_size=4,
         cache_dir="runs/cache", eval_lengths=(896,), eval_hops=(8, 32, 104), eval_prompts=8))
     c.task.name = "pointer_trace"
     c.task.context_tokens = 896  # ~150 records of 6 tokens
@@ -50,6 +57,12 @@ def get_config():
     # shortfall): started at 16 pages, rises of at most 2 levels spent 4 steps below tau, and those
     # steps' rollouts cost reward.
     c.schedule.online.up_levels = 4
+    # The hysteresis band must exceed what one noisy step reads below a bin's p5: a bin of 500-1000
+    # tokens reads its p5 with a spread of ~0.03 step to step (the online quickstart: 0.879, 0.881,
+    # 0.894, 0.809 at one budget), and one grid level down costs 0.04-0.06 of p5 (calibration
+    # table, bins 1184-1332). With 0.03 a bin fell once its bound passed 0.89 and read 0.809 the
+    # next step; with 0.05 it holds until the bound passes 0.91. Rises: one level per 0.05 short.
+    c.schedule.online.margin = 0.05
     c.schedule.dense_layers = ()  # both sparse: layer 0 reads the last tokens (always-kept pages)
     # Quest's per-channel key bounds find the one record a lookup needs; a page's mean key (centroid)
     # blurs it with its neighbours (teacher-forced on reference traces at top-k 32: p5 0.87 vs 0.56).
@@ -75,6 +88,7 @@ def get_config():
     c.steps = 12
     c.checkpoint_every = 6
     c.eval_k = 2
-    # 3e-4 raised the policy's entropy (0.26 -> 0.6 in 12 steps) and its p5 fell with it; 1e-4 holds both
-    c.train.learning_rate = 1e-4
+    # The refined warm-up is sharp (entropy ~0.04 nats per token): 1e-4 nearly doubled its entropy in
+    # 12 steps (0.035 -> 0.065) and p5 fell with it; 3e-5 holds both (0.04-0.067, no trend)
+    c.train.learning_rate = 3e-5
     return c

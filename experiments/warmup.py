@@ -46,7 +46,9 @@ def main(spec):
         print("     hops  reward  solved")
         for hops, v in meta["accuracy_by_hops"].items():
             print(f"  {int(hops):>7d}  {v['reward']:.3f}   {v['solved']:.3f}")
-    print(f"training: {meta['train']['steps']} steps, {meta['train_seconds']}s wall, "
+    refine = meta["train"].get("refine_steps", 0)
+    print(f"training: {meta['train']['steps']} steps" + (f" + {refine} refine steps ({meta['refine_seconds']}s wall)"
+                                                          if refine else "") + f", {meta['train_seconds']}s wall, "
           f"{meta['train_cpu_seconds']}s CPU, final reference NLL {meta['final_loss']}")
     summary = dict(path=path, accuracy_by_length=meta["accuracy_by_length"], accuracy=meta["accuracy"],
                    accuracy_by_hops=meta.get("accuracy_by_hops", {}),

@@ -57,7 +57,10 @@ def test_calibration_prompt_lengths_spread_or_constant():
 
 
 def test_warmup_long_trace_rows_and_final_phase():
+    from configs.common import base_config
+
     from sparrow_jax.models.tokenizer import BuiltinTokenizer
+    from sparrow_jax.run.specs import parse_spec
 
     tok = BuiltinTokenizer()
     knobs = dict(name="pointer_trace", context_tokens=300, hops=40, distractor_frac=0.5, key_len=2)
@@ -74,6 +77,23 @@ def test_warmup_long_trace_rows_and_final_phase():
     assert final.shape[0] == 2 and (final.sum(axis=1) == 41 * 6 + 5 + 1).all()  # the task's own 40 hops
     with pytest.raises(ValueError, match="final_frac"):
         W.WarmupSettings(final_frac=1.0)
+    with pytest.raises(ValueError, match="refine_steps"):
+        W.WarmupSettings(refine_steps=-1)
+    # no refine phase: the cache key of settings from before the refine fields existed
+    config = W.warmup_architecture(parse_spec(base_config()).model)
+    plain = W.warmup_key(config, knobs, settings)
+    assert W.warmup_key(config, knobs, dataclasses.replace(settings, refine_lr=5e-4)) == plain
+    assert W.warmup_key(config, knobs, dataclasses.replace(settings, refine_steps=3)) != plain
+    # the refine run: its own warm-up and peak, decaying to 10% of refine_lr over refine_steps
+    refine = dataclasses.replace(settings, refine_steps=40, refine_lr=1e-3)
+    opt = W.make_optimizer(refine, refine=True)
+    params, state, lrs = {"w": jnp.zeros(1)}, None, []
+    state = opt.init(params)
+    for _ in range(40):  # a constant unit gradient: Adam's step is the learning rate itself
+        updates, state = opt.update({"w": jnp.ones(1)}, state, params)
+        lrs.append(-float(updates["w"][0]))
+    assert lrs[0] == 0.0 and max(lrs) == pytest.approx(1e-3, rel=1e-3) and int(np.argmax(lrs)) == 2
+    assert lrs[-1] == pytest.approx(1e-4, rel=0.05)
 
 
 def test_warmup_on_pointer_trace_then_found_as_shipped(tmp_path, monkeypatch):
@@ -90,7 +110,8 @@ def test_warmup_on_pointer_trace_then_found_as_shipped(tmp_path, monkeypatch):
                                      num_key_value_heads=1, head_dim=16, intermediate_size=64,
                                      tie_word_embeddings=True, rope_theta=10000.0, max_position_embeddings=1024))
     cfg.model.warmup = ConfigDict(dict(steps=2, batch_size=2, min_context=32, max_train_context=48, max_train_hops=3,
-                                       queries_per_example=1, final_frac=0.5, final_batch_size=1, eval_hops=(2,)))
+                                       queries_per_example=1, final_frac=0.5, final_batch_size=1, eval_hops=(2,),
+                                       refine_steps=1, refine_batch_size=2))
     cfg.task.name, cfg.task.context_tokens, cfg.task.hops, cfg.task.key_len = "pointer_trace", 48, 4, 2
     spec = parse_spec(cfg)
     m, t = spec.model, spec.task
@@ -101,6 +122,9 @@ def test_warmup_on_pointer_trace_then_found_as_shipped(tmp_path, monkeypatch):
     assert meta["task"] == dict(name="pointer_trace", context_tokens=48, hops=4, distractor_frac=0.5, key_len=2)
     assert set(meta["accuracy_by_hops"]["2"]) == {"reward", "solved"}
     assert meta["key"] == os.path.basename(path).split("-", 1)[1]
+    assert [step for step, _ in meta["loss_curve"]] == [0, 1, 2]  # 2 main steps, then the refine step
+    base = tmp_path / "cache" / f"warmup-{meta['base_key']}"       # the main phase: its own warm-up
+    assert W.read_warmup_meta(str(base))["train"]["refine_steps"] == 0 and meta["refine_seconds"] > 0
     shutil.copytree(path, tmp_path / "shipped" / "tiny_trace")
     shutil.rmtree(path)                                       # not cached any more: found shipped, not retrained
     found = W.warmup_model(m, t, cache_dir=str(tmp_path / "cache"), progress=False)
@@ -174,7 +198,8 @@ def test_warmup_curriculum_stages_set_rows_contexts_and_hops():
                            num_key_value_heads=1, head_dim=16, intermediate_size=64, max_position_embeddings=1024)
     plain = dataclasses.replace(settings, curriculum=())
     assert W.warmup_key(config, knobs, settings) != W.warmup_key(config, knobs, plain)
-    legacy = {k: v for k, v in dataclasses.asdict(plain).items() if k != "curriculum"}
+    legacy = {k: v for k, v in dataclasses.asdict(plain).items()  # nor do the refine fields, unused
+              if k not in ("curriculum", "refine_steps", "refine_lr", "refine_batch_size")}
     blob = json.dumps(dict(format=W.FORMAT, arch=dataclasses.asdict(config), task=knobs, train=legacy), sort_keys=True)
     assert W.warmup_key(config, knobs, plain) == hashlib.sha256(blob.encode()).hexdigest()[:16]
     with pytest.raises(ValueError, match="add up to 7, but the phase before the final one has 8"):
@@ -198,6 +223,11 @@ def test_shipped_long_trace_checkpoint_is_the_configs_warmup_and_looks_up_values
     meta = W.read_warmup_meta(path)
     assert meta["task"] == knobs and meta["tokenizer"] == "builtin"
     assert meta["train"] == json.loads(json.dumps(dataclasses.asdict(settings)))  # tuples as JSON lists
+    # its main phase ships too (the refine run's base): the warm-up command retrains only the refine
+    base = W.shipped_checkpoint(meta["base_key"])
+    assert base is not None and base != path
+    main_phase = {k: v for k, v in dataclasses.asdict(settings).items() if not k.startswith("refine_")}
+    assert W.read_warmup_meta(base)["train"] == json.loads(json.dumps(main_phase))  # written before refine_*
     assert sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path)) <= 5 * 2 ** 20
     loaded, params = load_hf(path)
     assert (loaded.num_hidden_layers, loaded.hidden_size, loaded.vocab_size) == (
