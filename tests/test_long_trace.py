@@ -233,7 +233,8 @@ def test_shipped_long_trace_checkpoint_is_the_configs_warmup_and_looks_up_values
     assert (loaded.num_hidden_layers, loaded.hidden_size, loaded.vocab_size) == (
         config.num_hidden_layers, config.hidden_size, config.vocab_size)
     # quality as shipped, teacher-forced on 2 fresh task rows (896-token prompts, 104 hops): the
-    # symbols each line looks up (2 per line) are predicted right >= 80% of the time (measured 90%)
+    # symbols each line looks up (2 per line) are predicted right >= 95% of the time (measured 99.8%;
+    # 90% before the refine run)
     from sparrow_jax.models.forward import dense_hidden, unembedding
     from sparrow_jax.models.tokenizer import BuiltinTokenizer
 
@@ -247,7 +248,7 @@ def test_shipped_long_trace_checkpoint_is_the_configs_warmup_and_looks_up_values
         at = np.nonzero(ref_mask[b])[0][:6 * knobs["hops"]]          # the record lines 'k1k2=v1v2\n'
         values = at.reshape(-1, 6)[:, 3:5].ravel()                     # the looked-up symbols
         right += list(predicted[b, values - 1] == tokens[b, values])
-    assert np.mean(right) >= 0.8, np.mean(right)
+    assert np.mean(right) >= 0.95, np.mean(right)
 
 
 def _records(example: dict) -> dict:
