@@ -73,3 +73,31 @@ def test_entry_point_reports_a_bad_config_in_one_line(override, match, tmp_path)
     lines = out.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and match in lines[0], out.stderr
     assert "Traceback" not in out.stderr and not os.listdir(tmp_path)  # nothing ran
+
+
+def test_a_workdir_run_continues_only_under_its_own_config(tmp_path):
+    """A workdir with checkpoints or a schedule refuses a changed config (naming the fields) and is
+    left as it was; more steps, a fresh directory, or a directory without run state are fine."""
+    from sparrow_jax.run.workdir import check_workdir, run_state, write_config
+
+    cfg = get_config()
+    cfg.workdir = str(tmp_path / "run")
+    spec = parse_spec(cfg)
+    check_workdir(spec)                                    # no directory yet
+    write_config(spec)
+    cfg.train.learning_rate = cfg.train.learning_rate * 3
+    cfg.model.warmup = {"refine_steps": 5}
+    changed = parse_spec(cfg)
+    check_workdir(changed)                                 # config.json alone: no run to continue
+    os.makedirs(tmp_path / "run" / "checkpoints")
+    assert run_state(spec.workdir) == ["checkpoints"]
+    before = (tmp_path / "run" / "config.json").read_text()
+    with pytest.raises(ValueError, match=r"train\.learning_rate: .* -> .*model\.warmup|model\.warmup.*train\.learning_rate"):
+        check_workdir(changed)
+    assert (tmp_path / "run" / "config.json").read_text() == before
+    cfg = get_config()
+    cfg.workdir, cfg.steps, cfg.checkpoint_every = str(tmp_path / "run"), 40, 7
+    check_workdir(parse_spec(cfg))                         # continuing for longer is what resuming is for
+    study = tmp_path / "study"                             # a study's arms keep their checkpoints one level down
+    os.makedirs(study / "dense" / "checkpoints")
+    assert run_state(str(study)) == [os.path.join("dense", "checkpoints")]

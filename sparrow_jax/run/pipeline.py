@@ -23,6 +23,7 @@ from sparrow_jax.rl.trainer import TrainResult, actor_tail, evaluate, lora_confi
 from sparrow_jax.run.calibration import calibrate_run
 from sparrow_jax.run.context import RunContext, build_run_context, build_schedule
 from sparrow_jax.run.specs import RunSpec
+from sparrow_jax.run.workdir import check_workdir, write_config
 
 
 def _window_mean(values, n=3):
@@ -251,11 +252,11 @@ def p5_by_bin(history) -> list[dict]:
 
 def run_pipeline(spec: RunSpec) -> dict:
     """Calibrate if asked, train, and write ``<workdir>/report.json`` and plots; returns the report."""
+    check_workdir(spec)  # before anything is written: a workdir's run continues only under its own config
+    if is_primary():
+        write_config(spec)
     if spec.study is not None:
         return run_study(spec)
-    os.makedirs(spec.workdir, exist_ok=True)
-    if is_primary():
-        atomic_write_json(os.path.join(spec.workdir, "config.json"), dataclasses.asdict(spec))
     t0 = time.perf_counter()
     calibration = None
     start = spec.schedule.online.start if spec.schedule.kind == "online" else spec.schedule.kind

@@ -1,0 +1,81 @@
+"""A run's working directory: the config it was started with, and the refusal to continue it under
+another one.
+
+A workdir holds state that the next run with it picks up: the checkpoints (training resumes from
+the latest) and ``schedule.json`` (calibration is skipped when it exists). Continued under a
+changed config, such a run would silently mix two experiments (a new warm-up's model with the old
+schedule, another learning rate from a resumed optimiser). :func:`check_workdir` compares the
+config the workdir was started with (``config.json``) with this run's and names what differs;
+only the fields that continuing a run may change are exempt (:data:`CONTINUABLE`).
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Any
+
+from sparrow_jax.io import atomic_write_json
+from sparrow_jax.run.specs import RunSpec
+
+CONFIG_FILE = "config.json"
+# Fields a continued run may change: where it lives, how long it runs (more steps extend it), how
+# often it saves and evaluates, and the device mesh it runs on (checkpoints restore resharded).
+CONTINUABLE = ("workdir", "steps", "checkpoint_every", "keep_checkpoints", "eval_every", "mesh")
+
+
+def run_state(workdir: str) -> list[str]:
+    """What in ``workdir`` a new run would pick up: ``checkpoints`` (its own or a study arm's) and
+    ``schedule.json``; empty for a fresh directory."""
+    if not os.path.isdir(workdir):
+        return []
+    found = [name for name in ("checkpoints", "schedule.json") if os.path.exists(os.path.join(workdir, name))]
+    found += sorted(os.path.join(name, "checkpoints") for name in os.listdir(workdir)
+                    if os.path.isdir(os.path.join(workdir, name, "checkpoints")))
+    return found
+
+
+def config_differences(old: Any, new: Any, prefix: str = "") -> list[str]:
+    """Dotted paths where two JSON trees differ, each as ``path: old -> new``."""
+    if isinstance(old, dict) and isinstance(new, dict):
+        out = []
+        for key in sorted(set(old) | set(new)):
+            path = f"{prefix}.{key}" if prefix else str(key)
+            if key not in old or key not in new:
+                out.append(f"{path}: {old.get(key, '<absent>')!r} -> {new.get(key, '<absent>')!r}")
+            else:
+                out += config_differences(old[key], new[key], path)
+        return out
+    return [] if old == new else [f"{prefix}: {old!r} -> {new!r}"]
+
+
+def spec_json(spec: RunSpec) -> dict:
+    """The spec as the JSON ``config.json`` holds (tuples as lists)."""
+    return json.loads(json.dumps(dataclasses.asdict(spec)))
+
+
+def check_workdir(spec: RunSpec) -> None:
+    """Raise ``ValueError`` when ``spec.workdir`` holds a run (:func:`run_state`) started with a config
+    that differs from ``spec`` outside :data:`CONTINUABLE`; nothing in the directory is touched."""
+    state = run_state(spec.workdir)
+    path = os.path.join(spec.workdir, CONFIG_FILE)
+    if not state or not os.path.exists(path):
+        return
+    with open(path) as f:
+        old = json.load(f)
+    new = spec_json(spec)
+    for name in CONTINUABLE:
+        old.pop(name, None)
+        new.pop(name, None)
+    diffs = config_differences(old, new)
+    if diffs:
+        shown = "; ".join(diffs[:8]) + (f"; and {len(diffs) - 8} more" if len(diffs) > 8 else "")
+        raise ValueError(f"{spec.workdir} holds a run ({', '.join(state)}) started with another config ({shown}). "
+                         f"Continuing it would mix the two; pass a new --config.workdir, or move {spec.workdir} away "
+                         f"to start over")
+
+
+def write_config(spec: RunSpec) -> None:
+    """``<workdir>/config.json``: the config this run was started (or continued) with."""
+    os.makedirs(spec.workdir, exist_ok=True)
+    atomic_write_json(os.path.join(spec.workdir, CONFIG_FILE), spec_json(spec))
