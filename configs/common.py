@@ -71,6 +71,8 @@ def online_schedule_config() -> ConfigDict:
         smoothing=0.7,  # per-step forgetting factor of the token-weighted p5 average, in [0, 1)
         z=1.64,  # one-sided normal quantile of the lower confidence bound for falls (1.64: 95%)
         patience=3,  # steps with tokens at the current budget before a fall (>= 2)
+        retry_after=25,  # steps a bin keeps away from a budget where its p5 was below tau (a calibrated start
+        #                  seeds this memory from its calibration table)
         levels_per_octave=4,  # top-k grid points per power of two (L / 2 per static k_max bucket: rare recompiles)
         min_topk=1,  # smallest top-k the controller may set
         max_topk=0,  # largest top-k (0: enough pages to cover the run's longest sequence, i.e. dense)

@@ -12,7 +12,8 @@ from sparrow_jax.rl.trainer import LoopState
 from sparrow_jax.run.specs import CHOICES, ConfigError, parse_spec
 from sparrow_jax.rollout.schedule import SparsitySchedule, k_max_bucket
 from sparrow_jax.rollout.schedule_control import (ControllerSettings, controller_step, controller_step_jit,
-                                                  controller_topk, dense_topk_by_bin, init_controller, topk_grid)
+                                                  controller_topk, dense_topk_by_bin, failed_topk_from_table,
+                                                  init_controller, topk_grid)
 
 GRID = topk_grid(64, levels_per_octave=4)
 SETTINGS = ControllerSettings(grid=GRID, tau=0.86, margin=0.03, up_levels=2, down_levels=1, min_tokens=100,
@@ -105,6 +106,49 @@ def test_holds_inside_the_hysteresis_band_and_on_noisy_evidence():
     noisy = [[0.99, 0.99], [0.87, 0.87]] * 4  # mean ~0.93 > 0.89, but a step p5 is +-0.06
     _, topk = _run(SETTINGS, state, noisy, [[400, 400]] * 8)
     assert (topk == 16).all()
+
+
+def test_a_level_found_below_tau_is_not_probed_again_until_the_memory_lapses():
+    """Above the band at 16, the bin falls to 14, finds p5 below tau there and rises back; it then
+    holds at 16 on the same evidence that made it fall, until ``retry_after`` steps have passed."""
+    settings = dataclasses.replace(SETTINGS, retry_after=8)
+    state = init_controller(settings, (16,), num_bins=1)
+    rng = np.random.RandomState(0)
+    high = list(0.95 + 0.003 * rng.randn(16))
+    p5 = high[:3] + [0.84] + high[3:]                      # 16 x3 -> falls; 14 reads 0.84 -> back to 16
+    _, topk = _run(settings, state, [[x] for x in p5], [[400]] * len(p5))
+    np.testing.assert_array_equal(topk[:5, 0], [16, 16, 14, 16, 16])
+    assert int(np.argmax(topk[4:, 0] < 16)) + 4 >= 3 + settings.retry_after   # no fall before the memory lapses
+    assert (topk[3:3 + settings.retry_after, 0] == 16).all() and 14 in topk[3 + settings.retry_after:, 0]
+
+
+def test_a_calibration_table_seeds_the_failed_levels():
+    table = dict(budgets=[8, 12, 16], bin_width=100, bin_starts=[0, 100, 200],
+                 p5=[[0.99, 0.5, None], [0.99, 0.8, 0.3], [0.99, 0.9, 0.95]],
+                 count=[[500, 500, 0], [500, 500, 500], [500, 500, 50]])
+    failed = failed_topk_from_table(table, tau=0.86, num_bins=3, bin_width=100, min_count=100)
+    assert failed == [0, 12, 12]               # bin 2: the 16 cell has too few tokens to count
+    assert failed_topk_from_table(table, 0.86, 3, bin_width=128) == [0, 0, 0]  # other bins: no prior
+    state = init_controller(SETTINGS, (16, 16, 16), num_bins=3, failed_topk=failed)
+    np.testing.assert_array_equal(np.asarray(state.failed), [-1, GRID.index(12), GRID.index(12)])
+    _, topk = _run(SETTINGS, state, [[0.97, 0.97, 0.97]] * 9, [[400, 400, 400]] * 9)
+    # bin 0 falls freely; bins 1-2 stop at 14, above the calibration's failing 12 (the first bin's
+    # falls do not pull the later ones down: the schedule only has to stay non-decreasing)
+    assert topk[-1, 0] < 14 and (topk[:, 1:] >= 14).all() and (topk[-1, 1:] == 14).all()
+    with pytest.raises(ValueError, match="failed_topk"):
+        init_controller(SETTINGS, (16,), num_bins=3, failed_topk=[0, 0])
+
+
+def test_a_lucky_single_residual_does_not_license_a_fall_when_other_bins_are_noisy():
+    """patience 2: bin 0 sees two close p5s (one tiny residual); bin 1's steps swing. Alone, bin 0
+    would fall; with the pooled noise its lower bound stays inside the band."""
+    settings = dataclasses.replace(SETTINGS, patience=2)
+    alone = init_controller(settings, (16,), num_bins=1)
+    _, topk = _run(settings, alone, [[0.95], [0.951]], [[400]] * 2)
+    assert topk[-1, 0] == 14
+    pair = init_controller(settings, (16, 16), num_bins=2)
+    state, topk = _run(settings, pair, [[0.95, 0.99], [0.951, 0.75]], [[400, 400]] * 2)
+    assert topk[-1, 0] == 16 and float(state.pool_noise) > float(state.noise[0])
 
 
 def test_holds_on_thin_and_empty_bins():

@@ -39,7 +39,8 @@ from sparrow_jax.rl.train_step import (Batch, DistillOptions, LoraState, StepOpt
                                        make_optimizer, train_step)
 from sparrow_jax.rollout import SparsitySchedule, generate, generate_continuous
 from sparrow_jax.rollout.schedule_control import (ControllerSettings, ControllerState, controller_step_jit,
-                                                  controller_topk, dense_topk_by_bin, init_controller, topk_grid)
+                                                  controller_topk, dense_topk_by_bin, failed_topk_from_table,
+                                                  init_controller, topk_grid)
 
 if TYPE_CHECKING:
     from sparrow_jax.run.specs import DistillSpec, RunSpec, ScheduleSpec, TrainSpec
@@ -205,7 +206,8 @@ def online_settings(s: ScheduleSpec, layout: SparsitySchedule, max_len: int) -> 
     max_topk = o.max_topk or max(-(-max_len // layout.page_size) - layout.reserved, 0)
     return ControllerSettings(grid=topk_grid(max_topk, o.levels_per_octave, min(o.min_topk, max_topk)), tau=o.tau,
                               margin=o.margin, up_levels=o.up_levels, down_levels=o.down_levels,
-                              min_tokens=o.min_tokens, smoothing=o.smoothing, z=o.z, patience=o.patience)
+                              min_tokens=o.min_tokens, smoothing=o.smoothing, z=o.z, patience=o.patience,
+                              retry_after=o.retry_after)
 
 
 def init_state(loop: Loop) -> LoopState:
@@ -223,7 +225,11 @@ def init_state(loop: Loop) -> LoopState:
         layout, opts = loop.ctx.schedule, loop.opts
         start = (dense_topk_by_bin(opts.num_bins, opts.bin_width, layout.page_size, layout.reserved)
                  if spec.schedule.online.start == "dense" else topk)
-        controller = init_controller(loop.controller, start, loop.opts.num_bins)
+        table = (layout.meta or {}).get("table") if spec.schedule.online.start == "calibrated" else None
+        failed = (None if table is None else  # the calibration's own failures: budgets not to fall to
+                  failed_topk_from_table(table, loop.controller.tau, opts.num_bins, opts.bin_width,
+                                         spec.calibration.min_count))
+        controller = init_controller(loop.controller, start, loop.opts.num_bins, failed)
         topk = controller_topk(loop.controller, controller)
     return LoopState(train, lora, jnp.asarray(topk, jnp.int32), jnp.asarray(False), jnp.zeros((2,), jnp.int32),
                      jax.random.PRNGKey(spec.seed), controller)

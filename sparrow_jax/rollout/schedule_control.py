@@ -48,6 +48,19 @@ Hence:
   ``patience`` steps of evidence at the current budget, by ``down_levels`` (default 1).
   The margin is a hysteresis band: a bin whose p5 sits between tau and tau + margin holds,
   so budgets do not oscillate around tau; ``patience >= 2`` is needed for a noise estimate.
+* *Noise pooled over bins*: a bin's own noise estimate rests on the few residuals since its
+  budget last changed (one, right after ``patience = 2`` steps: a chi-square with one degree
+  of freedom, often far too small). The lower bound uses the larger of it and a pooled
+  estimate, the forgetting-weighted mean of every bin's residual estimates since the run began
+  (never reset): p5's spread across steps comes mostly from which prompts a step drew, which
+  every bin shares.
+* *Failed levels are remembered*: a bin that rises because its p5 fell below tau at a level
+  remembers that level and does not fall back to it, or below, for ``retry_after`` steps (the
+  policy may change; then it may probe again). p5 can drop off a cliff between two grid levels
+  (a long-trace model: ~0.95 at 20 pages, ~0.5 at 16); without the memory a bin holding above
+  the cliff re-probes it every few steps, and every probe is a step of bad rollouts. A start
+  from a calibrated schedule seeds the memory from its calibration table (the largest budget
+  whose measured p5 was below tau, per bin: :func:`failed_topk_from_table`).
 * *Thin bins hold*: no move unless this step brought tokens to the bin and the effective
   count ``W_t >= min_tokens`` (``min_tokens`` tokens put ``0.05 * min_tokens`` of them in the
   tail the percentile is read from). A bin without tokens this step keeps its smoothed p5
@@ -118,6 +131,7 @@ class ControllerSettings:
       smoothing: per-step forgetting factor ``rho`` in [0, 1) of the weighted p5 average.
       z: one-sided normal quantile of the lower confidence bound used for down moves.
       patience: steps of evidence at the current budget before a down move (>= 2).
+      retry_after: steps a bin keeps away from a level where its p5 was below tau (>= 1).
     """
 
     grid: tuple[int, ...]
@@ -129,6 +143,7 @@ class ControllerSettings:
     smoothing: float = 0.7
     z: float = 1.64
     patience: int = 3
+    retry_after: int = 25
 
     def __post_init__(self) -> None:
         grid = tuple(int(v) for v in self.grid)
@@ -138,7 +153,8 @@ class ControllerSettings:
         checks = (("tau", 0 < self.tau < 1, "in (0, 1)"), ("margin", 0 <= self.margin < 1, "in [0, 1)"),
                   ("up_levels", self.up_levels >= 1, ">= 1"), ("down_levels", self.down_levels >= 1, ">= 1"),
                   ("min_tokens", self.min_tokens >= 1, ">= 1"), ("smoothing", 0 <= self.smoothing < 1, "in [0, 1)"),
-                  ("z", self.z >= 0, ">= 0"), ("patience", self.patience >= 2, ">= 2"))
+                  ("z", self.z >= 0, ">= 0"), ("patience", self.patience >= 2, ">= 2"),
+                  ("retry_after", self.retry_after >= 1, ">= 1"))
         for name, ok, want in checks:
             if not ok:
                 raise ValueError(f"{name}: expected {want}, got {getattr(self, name)!r}")
@@ -155,6 +171,10 @@ class ControllerState(NamedTuple):
     noise_weight: float32 forgetting-weighted number of residuals behind ``noise``.
     steps: int32 steps with tokens since the bin's budget last changed.
     traffic: float32 forgetting-weighted token count, never reset (T_t): bins at ``min_tokens`` are active.
+    failed: int32 highest grid index where the bin's p5 was found below tau (-1: none); falls stay above it.
+    failed_age: int32 steps since ``failed`` was set (the memory lapses at ``retry_after``).
+    pool_noise: float32 [] pooled sigma^2 over all bins' residuals, never reset.
+    pool_weight: float32 [] forgetting-weighted number of residuals behind ``pool_noise``.
     """
 
     level: jax.Array
@@ -165,6 +185,28 @@ class ControllerState(NamedTuple):
     noise_weight: jax.Array
     steps: jax.Array
     traffic: jax.Array
+    failed: jax.Array
+    failed_age: jax.Array
+    pool_noise: jax.Array
+    pool_weight: jax.Array
+
+
+def failed_topk_from_table(table: dict, tau: float, num_bins: int, bin_width: int, min_count: int = 1) -> list[int]:
+    """Per controller bin, the largest budget a calibration table measured with p5 below ``tau``
+    (0: none), from a schedule's ``meta["table"]`` (budgets x bin_starts; p5 and count per cell).
+
+    A cell counts only with ``>= min_count`` tokens; a table over another bin width seeds nothing.
+    """
+    out = [0] * num_bins
+    if int(table.get("bin_width", -1)) != bin_width:
+        return out
+    for b, budget in enumerate(table["budgets"]):
+        for i, start in enumerate(table["bin_starts"]):
+            j = int(start) // bin_width
+            p5, n = table["p5"][b][i], table["count"][b][i]
+            if j < num_bins and p5 is not None and n >= min_count and p5 < tau:
+                out[j] = max(out[j], int(budget))
+    return out
 
 
 def dense_topk_by_bin(num_bins: int, bin_width: int, page_size: int, reserved: int) -> tuple[int, ...]:
@@ -181,11 +223,13 @@ def dense_topk_by_bin(num_bins: int, bin_width: int, page_size: int, reserved: i
     return tuple(max(-(-((i + 1) * bin_width) // page_size) - reserved, 0) for i in range(num_bins))
 
 
-def init_controller(settings: ControllerSettings, start_topk: Sequence[int], num_bins: int) -> ControllerState:
+def init_controller(settings: ControllerSettings, start_topk: Sequence[int], num_bins: int,
+                    failed_topk: Sequence[int] | None = None) -> ControllerState:
     """State for ``num_bins`` bins starting at ``start_topk`` (one value per bin, or fewer: the last repeats).
 
     Each start value is rounded up to the nearest grid point (the top point when above the grid);
-    the result is made non-decreasing in position.
+    the result is made non-decreasing in position. ``failed_topk``: per bin, a budget known to
+    hold p5 below tau (0: none; e.g. :func:`failed_topk_from_table`): falls keep above its grid point.
     """
     if not isinstance(num_bins, (int, np.integer)) or num_bins < 1:
         raise ValueError(f"num_bins: expected an int >= 1, got {num_bins!r}")
@@ -195,10 +239,18 @@ def init_controller(settings: ControllerSettings, start_topk: Sequence[int], num
     start = (start + [start[-1]] * num_bins)[:num_bins]
     grid = np.asarray(settings.grid)
     level = np.minimum(np.searchsorted(grid, start, side="left"), len(grid) - 1)
+    failed = np.full(num_bins, -1)
+    if failed_topk is not None:
+        if len(failed_topk) != num_bins:
+            raise ValueError(f"failed_topk: expected {num_bins} values (one per bin), got {len(failed_topk)}")
+        known = np.asarray([int(k) for k in failed_topk])  # the grid point at or below each failing budget
+        failed = np.where(known > 0, np.searchsorted(grid, known, side="right") - 1, -1)
     zeros = jnp.zeros((num_bins,), jnp.float32)
+    counter = jnp.zeros((num_bins,), jnp.int32)
     return ControllerState(level=jnp.asarray(np.maximum.accumulate(level), jnp.int32), mean=zeros, weight=zeros,
-                           weight_sq=zeros, noise=zeros, noise_weight=zeros,
-                           steps=jnp.zeros((num_bins,), jnp.int32), traffic=zeros)
+                           weight_sq=zeros, noise=zeros, noise_weight=zeros, steps=counter, traffic=zeros,
+                           failed=jnp.asarray(failed, jnp.int32), failed_age=counter,
+                           pool_noise=jnp.zeros((), jnp.float32), pool_weight=jnp.zeros((), jnp.float32))
 
 
 def controller_topk(settings: ControllerSettings, state: ControllerState) -> jax.Array:
@@ -232,6 +284,11 @@ def controller_step(settings: ControllerSettings, state: ControllerState, p5: ja
     noise_weight = jnp.where(has_prev, rho * state.noise_weight + 1.0, state.noise_weight)
     noise = jnp.where(has_prev, (rho * state.noise_weight * state.noise + resid_sigma2)
                       / jnp.maximum(noise_weight, 1e-30), state.noise)
+    fresh = jnp.sum(has_prev.astype(jnp.float32))  # this step's residuals, every bin's
+    pool_weight = rho * state.pool_weight + fresh
+    pool_noise = jnp.where(fresh > 0, (rho * state.pool_weight * state.pool_noise
+                                       + jnp.sum(jnp.where(has_prev, resid_sigma2, 0.0)))
+                           / jnp.maximum(pool_weight, 1e-30), state.pool_noise)
 
     # Count-weighted exponential average of p5; evidence ages every step, seen or not.
     decayed = rho * state.weight
@@ -241,17 +298,23 @@ def controller_step(settings: ControllerSettings, state: ControllerState, p5: ja
     steps = state.steps + seen.astype(jnp.int32)
 
     enough = seen & (weight >= settings.min_tokens)
-    std_err = jnp.sqrt(noise * weight_sq) / jnp.maximum(weight, 1e-30)
+    std_err = jnp.sqrt(jnp.maximum(noise, pool_noise) * weight_sq) / jnp.maximum(weight, 1e-30)
     lower = mean - jnp.float32(settings.z) * std_err
     go_up = enough & (mean < settings.tau)
+    # A level found below tau (or at or below one) is off limits for a fall until the memory lapses.
+    lapsed = state.failed_age + 1 >= settings.retry_after
+    remembered = jnp.where(lapsed, -1, state.failed)
+    failed = jnp.where(go_up, jnp.maximum(state.level, remembered), remembered)
+    failed_age = jnp.where(go_up, 0, state.failed_age + 1)
     go_down = (enough & ~go_up & (steps >= settings.patience) & (noise_weight > 0)
-               & (lower > settings.tau + settings.margin))
+               & (lower > settings.tau + settings.margin) & (state.level - 1 > failed))
     # One level per margin of shortfall, at most up_levels: a bin just below tau steps up one level,
     # one far below rises fast (the budgets move on a log scale, and p5 with the log budget).
     shortfall = (settings.tau - mean) / settings.margin if settings.margin > 0 else jnp.inf
     rise = jnp.clip(jnp.ceil(shortfall), 1, settings.up_levels).astype(jnp.int32)
     delta = jnp.where(go_up, rise, jnp.where(go_down, -settings.down_levels, 0))
     moved_level = jnp.clip(state.level + delta, 0, len(settings.grid) - 1)
+    moved_level = jnp.where(go_down, jnp.maximum(moved_level, failed + 1), moved_level)
     traffic = rho * state.traffic + n
     level = _monotone(moved_level, traffic >= settings.min_tokens, len(settings.grid))
 
@@ -260,7 +323,9 @@ def controller_step(settings: ControllerSettings, state: ControllerState, p5: ja
     new = ControllerState(level=level, mean=jnp.where(moved, zero, mean), weight=jnp.where(moved, zero, weight),
                           weight_sq=jnp.where(moved, zero, weight_sq), noise=jnp.where(moved, zero, noise),
                           noise_weight=jnp.where(moved, zero, noise_weight),
-                          steps=jnp.where(moved, 0, steps).astype(jnp.int32), traffic=traffic)
+                          steps=jnp.where(moved, 0, steps).astype(jnp.int32), traffic=traffic,
+                          failed=failed.astype(jnp.int32), failed_age=failed_age.astype(jnp.int32),
+                          pool_noise=pool_noise, pool_weight=pool_weight)
     return new, controller_topk(settings, new)
 
 

@@ -72,6 +72,7 @@ class OnlineScheduleSpec:  # schedule.kind = online: the per-bin p5 controller (
     smoothing: float
     z: float
     patience: int
+    retry_after: int
     levels_per_octave: int
     min_topk: int
     max_topk: int  # 0: the dense top-k of the run's longest sequence
@@ -361,6 +362,7 @@ def _validate_online(spec: RunSpec) -> None:
     _require(o.margin < 1, "schedule.online.margin", o.margin, "must be < 1")
     _require(0 <= o.smoothing < 1, "schedule.online.smoothing", o.smoothing, "must be in [0, 1)")
     _require(o.patience >= 2, "schedule.online.patience", o.patience, "must be >= 2 (a noise estimate needs two steps)")
+    _require(o.retry_after >= 1, "schedule.online.retry_after", o.retry_after, "must be >= 1")
     _require(o.max_topk == 0 or o.max_topk >= o.min_topk, "schedule.online.max_topk", o.max_topk,
              "must be 0 (dense) or >= schedule.online.min_topk")
     if s.kind != "online":
