@@ -108,6 +108,18 @@ def test_holds_inside_the_hysteresis_band_and_on_noisy_evidence():
     assert (topk == 16).all()
 
 
+def test_one_step_below_tau_raises_the_budget_though_the_average_is_above():
+    """The smoothed p5 lags a budget that stopped working; a well-filled step below tau is enough.
+    A thin step below tau is not (its p5 rests on too few tokens)."""
+    settings = dataclasses.replace(SETTINGS, margin=0.2)   # a wide band: no falls in this test
+    state = init_controller(settings, (16,), num_bins=1)
+    state, topk = _run(settings, state, [[0.95]] * 4 + [[0.80]], [[400]] * 5)
+    assert topk[-1, 0] == 20   # one level (0.06 short, margin 0.2); the smoothed p5 was 0.873, above tau
+    state = init_controller(settings, (16,), num_bins=1)
+    _, topk = _run(settings, state, [[0.95]] * 4 + [[0.80]], [[400]] * 4 + [[60]])
+    assert topk[-1, 0] == 16
+
+
 def test_a_level_found_below_tau_is_not_probed_again_until_the_memory_lapses():
     """Above the band at 16, the bin falls to 14, finds p5 below tau there and rises back; it then
     holds at 16 on the same evidence that made it fall, until ``retry_after`` steps have passed."""
