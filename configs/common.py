@@ -66,7 +66,8 @@ def online_schedule_config() -> ConfigDict:
         tau=0.86,  # target p5 acceptance rate per position bin
         margin=0.03,  # hysteresis: a bin's budget falls only when confidently above tau + margin
         up_levels=2,  # most grid levels a bin rises in one step when its smoothed p5 is below tau (one per margin short)
-        down_levels=1,  # grid levels a bin falls in one step when confidently above tau + margin
+        down_levels=1,  # most grid levels a bin falls in one step when confidently above tau + margin (one more per
+        #                 margin its lower bound clears that by)
         min_tokens=256,  # effective tokens a bin needs before its budget may move (thin bins hold)
         smoothing=0.7,  # per-step forgetting factor of the token-weighted p5 average, in [0, 1)
         z=1.64,  # one-sided normal quantile of the lower confidence bound for falls (1.64: 95%)

@@ -63,6 +63,10 @@ def get_config():
     # table, bins 1184-1332). With 0.03 a bin fell once its bound passed 0.89 and read 0.809 the
     # next step; with 0.05 it holds until the bound passes 0.91. Rises: one level per 0.05 short.
     c.schedule.online.margin = 0.05
+    # A dense start reads p5 ~1.0 at its own contexts' budgets: falls of up to 2 levels when the bound
+    # clears tau + margin by another margin (one level at a time, the arm started dense ended 12 steps
+    # 21% above the calibrated cost)
+    c.schedule.online.down_levels = 2
     c.schedule.dense_layers = ()  # both sparse: layer 0 reads the last tokens (always-kept pages)
     # Quest's per-channel key bounds find the one record a lookup needs; a page's mean key (centroid)
     # blurs it with its neighbours (teacher-forced on reference traces at top-k 32: p5 0.87 vs 0.56).
