@@ -97,6 +97,18 @@ def test_falls_slowly_only_when_confidently_above_tau_plus_margin():
     np.testing.assert_array_equal(topk[:, 0], [16, 16, 14, 14, 14, 12, 12, 12, 10, 10, 10, 8])
 
 
+def test_a_bin_far_above_the_band_falls_faster():
+    """down_levels 2: a bound clearing tau + margin by more than a margin falls two levels, one just
+    above the band falls one."""
+    settings = dataclasses.replace(SETTINGS, down_levels=2)
+    rng = np.random.RandomState(0)
+    far = 0.99 + 0.002 * rng.randn(3, 1)                     # bound ~0.99 > 0.89 + 0.03
+    near = 0.905 + 0.002 * rng.randn(3, 1)                   # bound just above 0.89
+    _, topk = _run(settings, init_controller(settings, (16,), num_bins=1), far, [[400]] * 3)
+    _, topk_near = _run(settings, init_controller(settings, (16,), num_bins=1), near, [[400]] * 3)
+    assert topk[-1, 0] == 12 and topk_near[-1, 0] == 14
+
+
 def test_holds_inside_the_hysteresis_band_and_on_noisy_evidence():
     state = init_controller(SETTINGS, (16,), num_bins=2)
     band = [[0.875, 0.875]] * 10  # tau <= p5 < tau + margin: hold
