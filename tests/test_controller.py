@@ -153,6 +153,9 @@ def test_a_calibration_table_seeds_the_failed_levels():
     failed = failed_topk_from_table(table, tau=0.86, num_bins=3, bin_width=100, min_count=100)
     assert failed == [0, 12, 12]               # bin 2: the 16 cell has too few tokens to count
     assert failed_topk_from_table(table, 0.86, 3, bin_width=128) == [0, 0, 0]  # other bins: no prior
+    # grid points between measured budgets: p5 interpolated in log budget (bin 1: 12 -> 0.8, 16 -> 0.9;
+    # 14 interpolates to 0.854 < 0.86; bin 0 passes everywhere; bin 2: 12 fails, 16 too thin to count)
+    assert failed_topk_from_table(table, 0.86, 3, bin_width=100, min_count=100, grid=GRID) == [0, 14, 12]
     state = init_controller(SETTINGS, (16, 16, 16), num_bins=3, failed_topk=failed)
     np.testing.assert_array_equal(np.asarray(state.failed), [-1, GRID.index(12), GRID.index(12)])
     _, topk = _run(SETTINGS, state, [[0.97, 0.97, 0.97]] * 9, [[400, 400, 400]] * 9)

@@ -228,7 +228,7 @@ def init_state(loop: Loop) -> LoopState:
         table = (layout.meta or {}).get("table") if spec.schedule.online.start == "calibrated" else None
         failed = (None if table is None else  # the calibration's own failures: budgets not to fall to
                   failed_topk_from_table(table, loop.controller.tau, opts.num_bins, opts.bin_width,
-                                         spec.calibration.min_count))
+                                         spec.calibration.min_count, loop.controller.grid))
         controller = init_controller(loop.controller, start, loop.opts.num_bins, failed)
         topk = controller_topk(loop.controller, controller)
     return LoopState(train, lora, jnp.asarray(topk, jnp.int32), jnp.asarray(False), jnp.zeros((2,), jnp.int32),

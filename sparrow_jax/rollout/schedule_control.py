@@ -65,8 +65,9 @@ Hence:
   policy may change; then it may probe again). p5 can drop off a cliff between two grid levels
   (a long-trace model: ~0.95 at 20 pages, ~0.5 at 16); without the memory a bin holding above
   the cliff re-probes it every few steps, and every probe is a step of bad rollouts. A start
-  from a calibrated schedule seeds the memory from its calibration table (the largest budget
-  whose measured p5 was below tau, per bin: :func:`failed_topk_from_table`).
+  from a calibrated schedule seeds the memory from its calibration table (per bin, the largest
+  budget measured, or interpolated between two measured ones, below tau:
+  :func:`failed_topk_from_table`).
 * *Thin bins hold*: no move unless this step brought tokens to the bin and the effective
   count ``W_t >= min_tokens`` (``min_tokens`` tokens put ``0.05 * min_tokens`` of them in the
   tail the percentile is read from). A bin without tokens this step keeps its smoothed p5
@@ -198,21 +199,34 @@ class ControllerState(NamedTuple):
     pool_weight: jax.Array
 
 
-def failed_topk_from_table(table: dict, tau: float, num_bins: int, bin_width: int, min_count: int = 1) -> list[int]:
-    """Per controller bin, the largest budget a calibration table measured with p5 below ``tau``
-    (0: none), from a schedule's ``meta["table"]`` (budgets x bin_starts; p5 and count per cell).
+def failed_topk_from_table(table: dict, tau: float, num_bins: int, bin_width: int, min_count: int = 1,
+                           grid: Sequence[int] = ()) -> list[int]:
+    """Per controller bin, the largest budget a calibration table shows with p5 below ``tau`` (0:
+    none), from a schedule's ``meta["table"]`` (budgets x bin_starts; p5 and count per cell).
 
-    A cell counts only with ``>= min_count`` tokens; a table over another bin width seeds nothing.
+    A measured budget fails when its p5 is below ``tau``; a ``grid`` point between two measured
+    budgets fails when p5 interpolated linearly in log budget is (p5 can fall off a cliff
+    between two measured budgets: a long-trace bin read 0.97 at 24 pages and 0.65 at 16, and 20,
+    never measured, read 0.79 online). A cell counts only with ``>= min_count`` tokens; a table
+    over another bin width seeds nothing.
     """
     out = [0] * num_bins
     if int(table.get("bin_width", -1)) != bin_width:
         return out
-    for b, budget in enumerate(table["budgets"]):
-        for i, start in enumerate(table["bin_starts"]):
-            j = int(start) // bin_width
-            p5, n = table["p5"][b][i], table["count"][b][i]
-            if j < num_bins and p5 is not None and n >= min_count and p5 < tau:
-                out[j] = max(out[j], int(budget))
+    for i, start in enumerate(table["bin_starts"]):
+        j = int(start) // bin_width
+        if j >= num_bins:
+            continue
+        points = sorted((int(budget), float(table["p5"][b][i])) for b, budget in enumerate(table["budgets"])
+                        if table["p5"][b][i] is not None and table["count"][b][i] >= min_count and budget > 0)
+        failing = [k for k, p5 in points if p5 < tau]
+        for (k0, p0), (k1, p1) in zip(points, points[1:]):
+            for g in grid:
+                if k0 < g < k1:
+                    t = (np.log(g) - np.log(k0)) / (np.log(k1) - np.log(k0))
+                    if p0 + t * (p1 - p0) < tau:
+                        failing.append(int(g))
+        out[j] = max(failing, default=0)
     return out
 
 
