@@ -131,7 +131,7 @@ class ControllerSettings:
       grid: ascending top-k values the budgets move on (:func:`topk_grid`).
       tau: target p5 acceptance rate per bin.
       margin: hysteresis band: a bin moves down only when confidently above ``tau + margin``.
-      up_levels: most grid levels a bin rises per step when its smoothed p5 is below ``tau``
+      up_levels: most grid levels a bin rises per step when its smoothed or this step's p5 is below ``tau``
         (one per ``margin`` of shortfall).
       down_levels: most grid levels a bin falls per step when confidently above ``tau + margin``
         (one per ``margin`` its lower bound clears it by).
@@ -169,7 +169,7 @@ class ControllerSettings:
 
 
 class ControllerState(NamedTuple):
-    """Per-bin controller state, all arrays of shape [bins] (a checkpointable pytree).
+    """Per-bin controller state, arrays of shape [bins] but the pooled noise (scalars); a checkpointable pytree.
 
     level: int32 grid index of the bin's current top-k.
     mean: float32 smoothed p5 at the current budget (m_t).
