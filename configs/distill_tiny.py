@@ -15,11 +15,11 @@ Settings found by measurement (notes in the closing note of session 2):
   page-score distillation loss did not move p5). Layer 0's mismatch is the diffuse kind that
   dropped pages cause in most layers of a real LLM, the kind DistillSparse corrects.
 """
-from configs.quickstart import get_config as quickstart_config
+from configs.long_trace import get_config as long_trace_config
 
 
 def get_config():
-    c = quickstart_config()
+    c = long_trace_config()
     c.workdir = "runs/distill_tiny"
     c.schedule.kind = "fixed"
     c.schedule.topk = 1  # aggressive: p5 0.75 < tau = 0.86 in the 256 bin before distillation

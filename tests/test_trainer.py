@@ -188,6 +188,25 @@ def test_sigkill_mid_run_then_resume_finishes(tmp_path):
     assert report["speedup_timed_compiles"] == 0  # the timed rollouts reuse the untimed run's programs
 
 
+def test_reward_windows_are_one_pass_over_cycled_prompts():
+    from sparrow_jax.data.datasets import PromptIterator
+    from sparrow_jax.run.pipeline import reward_start_end, reward_window
+
+    assert reward_window(16, 4, 24) == 4  # 6 passes of 4 steps
+    assert reward_window(18, 4, 10) == 5  # a pass of 18 prompts spans 5 steps; two fit in 10
+    assert reward_window(18, 4, 9) == 3 and reward_window(256, 4, 12) == 3  # under two passes: 3 steps
+    # the premise: the trainer's iterator shows the first and the last pass the same prompts
+    it = PromptIterator(list(range(16)), 4, seed=0)
+    batches = [it.next_indices() for _ in range(24)]
+    first, last = (sorted(i for b in w for i in b) for w in (batches[:4], batches[-4:]))
+    assert first == last == list(range(16)) and batches[:4] != batches[-4:]
+    out = reward_start_end([0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8], 4)
+    assert out["reward_window_steps"] == 4
+    se = np.sqrt(2 * np.var([0.1, 0.2, 0.3, 0.4], ddof=1) / 4)
+    np.testing.assert_allclose([out["reward_start"], out["reward_end"], out["reward_change_se"]], [0.25, 0.65, se])
+    assert reward_start_end([0.3], 3)["reward_change_se"] is None
+
+
 def test_distill_sparse_step_isolates_gradients():
     import optax
     from sparrow_jax.models.lora import LoraConfig, init_lora

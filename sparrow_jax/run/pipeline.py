@@ -31,26 +31,48 @@ def _window_mean(values, n=3):
     return float(np.mean(values[:n])) if values else None
 
 
-def measure_rollout_speedup(ctx: RunContext, result: TrainResult, num_prompts: int = 8, repeats: int = 3) -> dict:
+def reward_window(num_prompts: int, prompts_per_step: int, steps: int) -> int:
+    """Steps averaged into ``reward_start`` / ``reward_end``: one pass over the training prompts
+    when the run makes at least two, so both windows hold the same prompts and their difference
+    is the policy's, not that of which prompts a step drew; otherwise 3 steps."""
+    per_pass = -(-num_prompts // prompts_per_step)
+    return per_pass if 2 * per_pass <= steps else 3
+
+
+def reward_start_end(rewards: list, window: int) -> dict:
+    """``reward_start`` / ``reward_end``: mean reward of the first and last ``window`` steps;
+    ``reward_change_se``: the standard error of their difference from the steps' spread (None
+    under two steps per window)."""
+    first, last = (np.asarray([r for r in part if r is not None][:window], np.float64)
+                   for part in (rewards, rewards[::-1]))
+    se = None
+    if min(first.size, last.size) >= 2:
+        se = float(np.sqrt(first.var(ddof=1) / first.size + last.var(ddof=1) / last.size))
+    return {"reward_start": _window_mean(rewards, window), "reward_end": _window_mean(rewards[::-1], window),
+            "reward_window_steps": window, "reward_change_se": se}
+
+
+def measure_rollout_speedup(ctx: RunContext, result: TrainResult, num_prompts: int = 8, repeats: int = 5) -> dict:
     """Dense vs sparse rollout of the same eval prompts with the final params, timed in one run;
     ``sparse_token_fraction`` of the sparse rollout's generated tokens.
 
-    Each side first runs once untimed, then ``repeats`` times with the same key: the timed runs
-    do exactly the compiled work of the first (another key would give other lengths, hence
-    other pool sizes and segment shapes, and time their compilation). Decode tokens/s is the
-    best of the repeats (the least disturbed by other load)."""
+    Each side first runs once untimed, then ``repeats`` times with the same key, dense and sparse
+    alternating so that other load on the machine hits both alike: the timed runs do exactly the
+    compiled work of the first (another key would give other lengths, hence other pool sizes and
+    segment shapes, and time their compilation). Decode tokens/s is each side's best repeat (the
+    least disturbed)."""
     if result.schedule is None:
         return {"rollout_speedup": 1.0, "sparse_token_fraction": 0.0}
     rows, params = ctx.eval_rows[:num_prompts], result.state.train.params
-    timings, timed_compiles = {}, 0
-    for name, sched in (("dense", None), ("sparse", result.schedule)):
+    sides = {"dense": None, "sparse": result.schedule}
+    for sched in sides.values():
         sample(ctx, params, rows, jax.random.PRNGKey(1), 2, sched)  # compile every shape this work needs
-        best = 0.0
-        for _ in range(repeats):
+    timings, timed_compiles = {name: 0.0 for name in sides}, 0
+    for _ in range(repeats):
+        for name, sched in sides.items():
             rollout, _ = sample(ctx, params, rows, jax.random.PRNGKey(1), 2, sched)
-            best = max(best, rollout.stats["decode_tokens"] / max(rollout.stats["decode_s"], 1e-9))
+            timings[name] = max(timings[name], rollout.stats["decode_tokens"] / max(rollout.stats["decode_s"], 1e-9))
             timed_compiles += int(rollout.stats.get("compiles", 0))
-        timings[name] = best
     return {"rollout_speedup": timings["sparse"] / timings["dense"], "dense_tok_s": timings["dense"],
             "sparse_tok_s": timings["sparse"], "speedup_timed_compiles": timed_compiles,
             "sparse_token_fraction": sparse_token_fraction(result.schedule, rollout.prompt_lens, rollout.lengths)}
@@ -166,10 +188,9 @@ def paired_reward_diff(hist, ref_hist) -> dict:
             "steps": int(diffs.size)}
 
 
-def _arm_row(spec: RunSpec, arm: str, hist) -> dict:
+def _arm_row(spec: RunSpec, arm: str, hist, window: int) -> dict:
     rewards = [h["reward_mean"] for h in hist]
-    row = {"reward_start": _window_mean(rewards), "reward_end": _window_mean(rewards[::-1]),
-           "min_p5": _min_p5(hist),
+    row = {**reward_start_end(rewards, window), "min_p5": _min_p5(hist),
            "response_length_end": _window_mean([h["response_length/mean"] for h in hist][::-1]),
            "rollout_s_mean": float(np.mean([h["timing_s/gen"] for h in hist[1:]] or [np.nan])),
            # the median ignores steps that compiled (a new pool size or k_max bucket)
@@ -214,15 +235,16 @@ def run_study(spec: RunSpec) -> dict:
     if not os.path.exists(os.path.join(spec.workdir, "schedule.json")):
         calibrate_run(spec)
     calibrated = build_schedule(spec.schedule, spec.workdir)
-    arms = {}
+    arms, num_prompts = {}, 0
     for arm in spec.study.arms:
         arm_spec = _arm_spec(spec, arm)
         print(f"[study] arm {arm}", flush=True)
         with_calibrated = arm in ("calibrated", "online_distill")
         ctx = build_run_context(arm_spec, calibrated) if with_calibrated else build_run_context(arm_spec)
-        arms[arm] = train(arm_spec, ctx).history
+        arms[arm], num_prompts = train(arm_spec, ctx).history, len(ctx.train_rows)
     plot_study(arms, os.path.join(spec.workdir, "study.png"))
-    table = {a: _arm_row(spec, a, hist) for a, hist in arms.items()}
+    window = reward_window(num_prompts, spec.rollout.prompts_per_step, spec.steps)
+    table = {a: _arm_row(spec, a, hist, window) for a, hist in arms.items()}
     if "calibrated" in arms:  # is an arm's reward worse than the calibrated schedule's, beyond noise?
         for a, hist in arms.items():
             table[a]["reward_vs_calibrated"] = paired_reward_diff(hist, arms["calibrated"])
@@ -265,8 +287,8 @@ def run_pipeline(spec: RunSpec) -> dict:
     ctx = build_run_context(spec)
     result = train(spec, ctx)
     rewards = [h["reward_mean"] for h in result.history]
-    report = {"reward_start": _window_mean(rewards), "reward_end": _window_mean(rewards[::-1]),
-              "p5_by_bin": p5_by_bin(result.history), "tau": spec.calibration.tau,
+    window = reward_window(len(ctx.train_rows), spec.rollout.prompts_per_step, spec.steps)
+    report = {**reward_start_end(rewards, window), "p5_by_bin": p5_by_bin(result.history), "tau": spec.calibration.tau,
               "completion_tokens_mean": (float(np.mean([h["response_length/mean"] for h in result.history]))
                                          if result.history else None),
               "schedule": result.schedule.to_dict() if result.schedule is not None else "dense",
