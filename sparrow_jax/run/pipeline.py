@@ -48,8 +48,9 @@ def reward_start_end(rewards: list, window: int) -> dict:
     se = None
     if min(first.size, last.size) >= 2:
         se = float(np.sqrt(first.var(ddof=1) / first.size + last.var(ddof=1) / last.size))
-    return {"reward_start": _window_mean(rewards, window), "reward_end": _window_mean(rewards[::-1], window),
-            "reward_window_steps": window, "reward_change_se": se}
+    mean = lambda x: float(x.mean()) if x.size else None  # noqa: E731
+    return {"reward_start": mean(first), "reward_end": mean(last), "reward_window_steps": window,
+            "reward_change_se": se}
 
 
 def measure_rollout_speedup(ctx: RunContext, result: TrainResult, num_prompts: int = 8, repeats: int = 5) -> dict:
