@@ -33,8 +33,9 @@ def _window_mean(values, n=3):
 
 def reward_window(num_prompts: int, prompts_per_step: int, steps: int) -> int:
     """Steps averaged into ``reward_start`` / ``reward_end``: one pass over the training prompts
-    when the run makes at least two, so both windows hold the same prompts and their difference
-    is the policy's, not that of which prompts a step drew; otherwise 3 steps."""
+    (rounded up to whole steps) when the run makes at least two, so both windows hold the same
+    prompts (exactly when ``prompts_per_step`` divides ``num_prompts``) and their difference is
+    the policy's, not that of which prompts a step drew; otherwise 3 steps."""
     per_pass = -(-num_prompts // prompts_per_step)
     return per_pass if 2 * per_pass <= steps else 3
 
