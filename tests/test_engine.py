@@ -2,11 +2,12 @@
 import dataclasses
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from sparrow_jax.models import init_params, tiny_config
-from sparrow_jax.rollout import SamplingParams, SparsitySchedule, generate, generate_continuous
+from sparrow_jax.rollout import SamplingParams, SparsitySchedule, generate, generate_continuous, sampler
 from sparrow_jax.rollout.page_pool import PageAllocator
 
 CONFIG = tiny_config(num_hidden_layers=2)
@@ -60,6 +61,32 @@ def test_sampling_same_tokens_and_logprob_semantics():
     fixed, new = _pair(SPARSE, 1.0, seed=1)
     assert (fixed.lengths - fixed.prompt_lens).min() < (fixed.lengths - fixed.prompt_lens).max()
     _assert_same_rollout(fixed, new, 1e-5)  # per-request keys: the draws do not depend on batch-mates
+
+
+@pytest.mark.parametrize("noise_bytes", [1, 3 * 5 * 4 * CONFIG.vocab_size])
+def test_sampling_noise_drawn_ahead_in_blocks_draws_the_same_tokens(monkeypatch, noise_bytes):
+    """Gumbel noise drawn a step at a time (1 byte: blocks of 1) or in blocks of 3 steps that do
+    not divide the segments of 8 (3 steps x batch 4 x 4 bytes x vocab, rounded down: 3) samples
+    what the fixed sampler's per-step keys sample."""
+    monkeypatch.setattr(sampler, "NOISE_BYTES", noise_bytes)
+    assert sampler.draws_ahead(ENGINE["max_slots"], CONFIG.vocab_size, ENGINE["segment_steps"]) == (
+        1 if noise_bytes == 1 else 3)
+    fixed, new = _pair(SPARSE, 1.0, seed=2)
+    _assert_same_rollout(fixed, new, 1e-5)
+
+
+def test_sample_logits_with_drawn_noise_is_categorical_with_its_key():
+    logits = jax.random.normal(jax.random.PRNGKey(0), (6, CONFIG.vocab_size)) * 3
+    keys = sampler.request_keys(jax.random.PRNGKey(1), 6)
+    generated = jnp.arange(6, dtype=jnp.int32) * 5
+    noise = sampler.gumbel_noise(keys, generated, 4, CONFIG.vocab_size)  # [6, 4, V]
+    for top_k, top_p in ((0, 1.0), (5, 1.0), (0, 0.8)):
+        sampling = SamplingParams(temperature=0.7, top_k=top_k, top_p=top_p)
+        for j in range(4):
+            with_key = sampler.sample_logits(logits, sampler.token_keys(keys, generated + j), sampling)
+            with_noise = sampler.sample_logits(logits, None, sampling, noise=noise[:, j])
+            np.testing.assert_array_equal(with_noise[0], with_key[0])
+            np.testing.assert_array_equal(with_noise[1], with_key[1])
 
 
 def test_compiles_bounded_and_a_budget_change_compiles_nothing():

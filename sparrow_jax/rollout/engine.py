@@ -19,7 +19,9 @@
 
 Per-request PRNG keys (``request_keys``) and per-token keys (``token_keys``) are those of the
 fixed-batch sampler, so both engines draw the same tokens for the same request: greedy
-outputs are token-identical and sampled log-probs have the same semantics.
+outputs are token-identical and sampled log-probs have the same semantics. The engine draws
+the Gumbel noise of those keys for a block of steps at once (:func:`.sampler.gumbel_noise`),
+the same values the sampler draws step by step.
 """
 from __future__ import annotations
 
@@ -37,8 +39,8 @@ from sparrow_jax.models.qwen3 import Params, bind
 from sparrow_jax.rollout.page_pool import (SCRATCH_PAGE, PageAllocator, PoolLayer, append_to_pool, copy_pages,
                                            grow_pool, init_pool, paged_decode, pool_bytes, pool_size,
                                            store_prefill)
-from sparrow_jax.rollout.sampler import (Rollout, SamplingParams, checked_prompt_lens, request_keys, round_up,
-                                        sample_logits, token_keys)
+from sparrow_jax.rollout.sampler import (Rollout, SamplingParams, checked_prompt_lens, draws_ahead, request_keys,
+                                        round_up, sample_logits, segment_noise)
 from sparrow_jax.rollout.schedule import SparsitySchedule, k_max_bucket
 
 
@@ -73,27 +75,34 @@ class _SegmentState(NamedTuple):
     out_logprobs: jax.Array
 
 
-@functools.partial(jax.jit, static_argnames=("config", "k_max", "impl", "sampling"), donate_argnames=("state",))
+@functools.partial(jax.jit, static_argnames=("config", "k_max", "impl", "sampling", "ahead"),
+                   donate_argnames=("state",))
 def _decode_segment(state: _SegmentState, params: Params, page_table: jax.Array, keys: jax.Array,
                     request: jax.Array, end_pos: jax.Array, step_limit: jax.Array, exit_after: jax.Array,
                     schedule: Optional[SparsitySchedule], *, config: Qwen3Config, k_max: int, impl: str,
-                    sampling: SamplingParams) -> _SegmentState:
+                    sampling: SamplingParams, ahead: int) -> _SegmentState:
     """Decode until ``step_limit`` steps, every slot done, or ``exit_after`` slots newly done.
 
     ``schedule`` is a pytree argument (top-k table traced, layout static), as in the sampler.
+    Sampling noise is drawn ``ahead`` steps at a time (:func:`segment_noise`).
     """
     live_at_start = ~state.done
     stop_ids = jnp.asarray(sampling.stop_ids or (-1,), jnp.int32)
     last = state.out_tokens.shape[1] - 1
 
-    def cond(s: _SegmentState):
+    def cond(carry):
+        s = carry[0]
         newly_done = jnp.sum(s.done & live_at_start)
         return (s.step < step_limit) & ~jnp.all(s.done) & (newly_done < exit_after)
 
-    def body(s: _SegmentState):
+    def body(carry):
+        s, noise = carry
         logits, pools = pooled_decode_step(config, params, s.tok, s.pos, s.pools, page_table, schedule, k_max, impl)
-        sub = keys if sampling.temperature == 0.0 else token_keys(keys, s.gen)
-        tok, logp = sample_logits(logits, sub, sampling)
+        if sampling.temperature == 0.0:
+            tok, logp = sample_logits(logits, keys, sampling)
+        else:
+            step_noise, noise = segment_noise(keys, s.gen, s.step, noise)
+            tok, logp = sample_logits(logits, None, sampling, noise=step_noise)
         write = ~s.done
         at = (request, jnp.minimum(s.gen, last))
         out_tokens = s.out_tokens.at[at].set(jnp.where(write, tok, s.out_tokens[at]))
@@ -102,9 +111,10 @@ def _decode_segment(state: _SegmentState, params: Params, page_table: jax.Array,
         stopped = jnp.any(tok[:, None] == stop_ids[None, :], axis=-1)
         done = s.done | (write & (stopped | (nxt >= end_pos)))
         return _SegmentState(s.step + 1, jnp.where(write, tok, s.tok), jnp.where(write, nxt, s.pos),
-                             jnp.where(write, s.gen + 1, s.gen), done, pools, out_tokens, out_logprobs)
+                             jnp.where(write, s.gen + 1, s.gen), done, pools, out_tokens, out_logprobs), noise
 
-    return jax.lax.while_loop(cond, body, state)
+    noise = jnp.zeros((state.tok.shape[0], ahead, config.vocab_size), jnp.float32)
+    return jax.lax.while_loop(cond, body, (state, noise))[0]
 
 
 def _pow2(n: int) -> int:
@@ -298,7 +308,8 @@ def generate_continuous(config: Qwen3Config, params: Params, prompts: Sequence[S
                                gen=jnp.asarray(gen), done=jnp.asarray(done))
         state = _decode_segment(state, params, jnp.asarray(table), jnp.asarray(row_keys), jnp.asarray(request),
                                 jnp.asarray(row_end), jnp.int32(segment_steps), jnp.int32(exit_after), schedule,
-                                config=config, k_max=k_max, impl=impl, sampling=sampling)
+                                config=config, k_max=k_max, impl=impl, sampling=sampling,
+                                ahead=draws_ahead(batch, config.vocab_size, segment_steps))
         tok, pos, gen, done = (np.array(x) for x in (state.tok, state.pos, state.gen, state.done))
         seg_steps = int(state.step)
         segments += 1
