@@ -6,7 +6,8 @@ import pytest
 from attention_refs import brute_force_sparse_decode
 
 from sparrow_jax.attention import dense_decode, dense_decode_dispatch, select_pages
-from sparrow_jax.attention.cpu_kernel import cpu_kernel_available, dense_decode_cpu, paged_decode_cpu
+from sparrow_jax.attention.cpu_kernel import (cpu_kernel_available, dense_decode_cpu, paged_decode_cpu,
+                                             paged_sparse_step_cpu, score_select_cpu)
 from sparrow_jax.rollout import SparsitySchedule
 from sparrow_jax.rollout.page_pool import PoolLayer, paged_decode
 
@@ -66,3 +67,28 @@ def test_paged_decode_xla_fallback_equals_cpu_kernel(cache, schedule):
     if cpu_kernel_available():
         np.testing.assert_allclose(paged_decode(q, pool, table, positions, schedule, budget, 2, impl="cpu"), xla,
                                    atol=1e-5)
+
+
+@needs_kernel
+@pytest.mark.parametrize("selector", ["quest", "centroid"])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_fused_sparse_step_is_score_select_then_paged_decode_bit_for_bit(cache, selector, dtype):
+    q, _, _, positions, table, k_pool, v_pool = cache
+    k_pool, v_pool = k_pool.astype(dtype), v_pool.astype(dtype)
+    keys = jax.random.split(jax.random.PRNGKey(5), 3)
+    lo = jax.random.normal(keys[0], (B * P + 1, HKV, D))
+    meta = dict(centroid=lo, kmin=lo, kmax=lo + jax.random.uniform(keys[1], lo.shape))
+    qg = jax.random.normal(keys[2], (B, HKV, D))
+    budget = jnp.array([1, 2, 3], jnp.int32)  # per row; k_max 3 is clipped by no row
+    idx, valid = score_select_cpu(qg, meta["centroid"], meta["kmin"], meta["kmax"], positions, budget, 3, S,
+                                  reserved_first=1, reserved_last=1, selector=selector, page_table=table)
+    expected = paged_decode_cpu(q, k_pool, v_pool, table, positions, idx, valid)
+    fused = paged_sparse_step_cpu(q, k_pool, v_pool, table, positions, qg, meta["centroid"], meta["kmin"],
+                                  meta["kmax"], budget, 3, reserved_first=1, reserved_last=1, selector=selector)
+    np.testing.assert_array_equal(fused, expected)
+    with pytest.raises(Exception, match="outside the pool"):
+        jax.block_until_ready(paged_sparse_step_cpu(q, k_pool, v_pool, table + 100, positions, qg, **meta,
+                                                    budget=budget, k_max=3, selector=selector))
+    with pytest.raises(ValueError, match="metadata"):
+        paged_sparse_step_cpu(q, k_pool, v_pool, table, positions, qg, *(x[:-1] for x in meta.values()),
+                              budget=budget, k_max=3, selector=selector)

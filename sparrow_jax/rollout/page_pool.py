@@ -125,18 +125,18 @@ def paged_decode(q: jax.Array, pool: PoolLayer, page_table: jax.Array, positions
     """
     cpu = resolve_impl(impl) == "cpu"
     if cpu:
-        from sparrow_jax.attention.cpu_kernel import paged_decode_cpu, score_select_cpu
+        from sparrow_jax.attention.cpu_kernel import paged_decode_cpu, paged_sparse_step_cpu
     if schedule is None:
         if cpu:
             return paged_decode_cpu(q, pool.k, pool.v, page_table, positions)
         return dense_decode(q, _row_view(pool.k, page_table), _row_view(pool.v, page_table), positions)
     qg = group_mean_query(q, pool.k.shape[1])
+    if cpu:  # scored, selected and attended in one C++ pass per (row, KV head) over the pool
+        return paged_sparse_step_cpu(q, pool.k, pool.v, page_table, positions, qg, pool.centroid, pool.kmin,
+                                     pool.kmax, budget, k_max, schedule.reserved_first, schedule.reserved_last,
+                                     schedule.selector)
     select = dict(k_max=k_max, page_size=schedule.page_size, reserved_first=schedule.reserved_first,
                   reserved_last=schedule.reserved_last, selector=schedule.selector)
-    if cpu:  # scored and selected in one C++ pass over the pool's metadata, attended in another
-        idx, valid = score_select_cpu(qg, pool.centroid, pool.kmin, pool.kmax, positions, budget, **select,
-                                      page_table=page_table)
-        return paged_decode_cpu(q, pool.k, pool.v, page_table, positions, idx, valid)
     meta = lambda x: None if x is None else _row_view(x, page_table)  # [B, Hkv, W, D]
     idx, valid = score_select_decode(qg, meta(pool.centroid), meta(pool.kmin), meta(pool.kmax), positions, budget,
                                      **select, impl=impl)

@@ -3,8 +3,9 @@
 ``sparse_decode_cpu`` has the contract of
 :func:`sparrow_jax.attention.contract.sparse_decode_reference`, ``dense_decode_cpu`` that of
 :func:`sparrow_jax.attention.decode.dense_decode` (the same kernel over every page: the
-like-for-like dense baseline), and ``paged_decode_cpu`` reads a shared page pool through a
-page table (the rollout engine's layout), sparse or dense. The C++ source
+like-for-like dense baseline), ``paged_decode_cpu`` reads a shared page pool through a
+page table (the rollout engine's layout), sparse or dense, and ``paged_sparse_step_cpu`` is
+``score_select_cpu`` then ``paged_decode_cpu`` on a pool in one call. The C++ source
 (``sparse_decode_cpu.cc``) is compiled once per machine with the system C++ compiler
 against the XLA FFI headers shipped in jaxlib, into ``$SPARROW_JAX_CACHE`` (default
 ``~/.cache/sparrow_jax``), keyed by source, jaxlib version, flags and CPU. Without a
@@ -36,6 +37,7 @@ SELECT_TARGET = "sparrow_select_pages_cpu"
 DENSE_TARGET = "sparrow_dense_decode_cpu"
 PAGED_TARGET = "sparrow_paged_decode_cpu"
 SCORE_SELECT_TARGET = "sparrow_score_select_cpu"
+PAGED_SPARSE_STEP_TARGET = "sparrow_paged_sparse_step_cpu"
 SOURCE = Path(__file__).with_name("sparse_decode_cpu.cc")
 FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp-simd", "-std=c++17", "-shared", "-fPIC")
 
@@ -94,6 +96,8 @@ def cpu_kernel_available() -> bool:
         jax.ffi.register_ffi_target(DENSE_TARGET, jax.ffi.pycapsule(library.SparrowDenseDecodeCpu), platform="cpu")
         jax.ffi.register_ffi_target(PAGED_TARGET, jax.ffi.pycapsule(library.SparrowPagedDecodeCpu), platform="cpu")
         jax.ffi.register_ffi_target(SCORE_SELECT_TARGET, jax.ffi.pycapsule(library.SparrowScoreSelectCpu),
+                                    platform="cpu")
+        jax.ffi.register_ffi_target(PAGED_SPARSE_STEP_TARGET, jax.ffi.pycapsule(library.SparrowPagedSparseStepCpu),
                                     platform="cpu")
     except Exception as exc:  # any build/load problem: warn once and keep the XLA path
         warnings.warn(f"CPU sparse decode kernel unavailable ({type(exc).__name__}: {str(exc)[:500]}); "
@@ -233,3 +237,42 @@ def score_select_cpu(qg: jax.Array, centroid: jax.Array, kmin: Optional[jax.Arra
         budget, k_max=np.int64(k_max), page_size=np.int64(page_size),
         reserved_first=np.int64(reserved_first), reserved_last=np.int64(reserved_last),
         quest=np.int64(selector == "quest"))
+
+
+def paged_sparse_step_cpu(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, page_table: jax.Array,
+                          positions: jax.Array, qg: jax.Array, centroid: Optional[jax.Array],
+                          kmin: Optional[jax.Array], kmax: Optional[jax.Array], budget: jax.Array, k_max: int,
+                          reserved_first: int = 1, reserved_last: int = 2, selector: str = "centroid",
+                          scale: Optional[float] = None) -> jax.Array:
+    """One layer's sparse decode step on a page pool: :func:`score_select_cpu` then the sparse
+    :func:`paged_decode_cpu` in one C++ pass per (row, KV head), bit for bit. Returns [B, H, D].
+
+    q [B, H, D]; k_pool, v_pool [NP, Hkv, S, D]; page_table int32 [B, W]; positions, budget [B];
+    qg [B, Hkv, D] group-mean queries; metadata (``centroid``, or Quest's ``kmin`` / ``kmax``)
+    [NP, Hkv, D]. Why one call: each call's thread-pool round (a worker waking, the caller
+    waiting for its last item) costs about as much as the selection at small batches.
+    """
+    if selector not in ("centroid", "quest"):
+        raise ValueError(f"unknown page selector {selector!r}; expected 'centroid' or 'quest'")
+    if selector == "quest" and (kmin is None or kmax is None):
+        raise ValueError("quest selector needs a cache built with with_minmax=True")
+    b, h, d = q.shape
+    if k_pool.ndim != 4 or v_pool.shape != k_pool.shape or k_pool.shape[-1] != d or h % k_pool.shape[1]:
+        raise ValueError(f"k_pool / v_pool must be [NP, Hkv, S, D={d}] with H % Hkv == 0, "
+                         f"got {k_pool.shape} / {v_pool.shape}")
+    num_pages, hkv = k_pool.shape[:2]
+    meta_a, meta_b = (kmin, kmax) if selector == "quest" else (centroid, centroid)
+    if (page_table.ndim != 2 or page_table.shape[0] != b or positions.shape != (b,) or qg.shape != (b, hkv, d)
+            or meta_a.shape != (num_pages, hkv, d) or meta_b.shape != meta_a.shape):
+        raise ValueError(f"paged_sparse_step_cpu: expected page_table [B={b}, W], positions [B], qg [B, {hkv}, {d}] "
+                         f"and metadata [{num_pages}, {hkv}, {d}], got {page_table.shape}, {positions.shape}, "
+                         f"{qg.shape}, {meta_a.shape}, {meta_b.shape}")
+    q32, scale = _checked_query(q, k_pool, v_pool, scale)
+    budget = jnp.broadcast_to(jnp.asarray(budget, jnp.int32), (b,))
+    f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
+    out = jax.ffi.ffi_call(PAGED_SPARSE_STEP_TARGET, jax.ShapeDtypeStruct(q.shape, jnp.float32))(
+        q32, k_pool, v_pool, page_table.astype(jnp.int32), f32(qg), f32(meta_a), f32(meta_b),
+        positions.astype(jnp.int32), budget, scale=scale, k_max=np.int64(min(int(k_max), page_table.shape[1])),
+        reserved_first=np.int64(reserved_first), reserved_last=np.int64(reserved_last),
+        quest=np.int64(selector == "quest"))
+    return out.astype(q.dtype)

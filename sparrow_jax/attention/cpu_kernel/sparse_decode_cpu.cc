@@ -25,8 +25,11 @@
 // split on precomputed integer keys instead of XLA's full top-k); SparrowScoreSelectCpu scores
 // the pages from their metadata (centroid or Quest bounds, per-row or through a page table)
 // and selects in the same pass, so the page scores never leave the core's cache.
+// SparrowPagedSparseStepCpu is ScoreSelect then PagedDecode on a pool in one thread-pool round
+// per layer-step (the rollout engine's sparse decode).
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <cmath>
 #include <condition_variable>
 #include <cstdint>
@@ -141,21 +144,18 @@ inline void AttendPage(const KV* kp, const KV* vp, const KV* k_ahead, const KV* 
   }
 }
 
-// One (row, KV head): the G query heads of the group over the selected pages (page_idx
-// nullptr: dense, every page up to the query's own).
+// One (row, KV head): the G query heads of the group over the selected pages, ``idx`` /
+// ``ok``: this pair's s.slots slots (nullptr: dense, every page up to the query's own).
 template <typename KV>
 void AttendGroup(const Shape& s, const Layout& layout, int64_t row, int64_t kv_head, const float* q, const KV* k,
-                 const KV* v, const int32_t* page_idx, const bool* page_valid, const int32_t* positions,
+                 const KV* v, const int32_t* idx, const bool* ok, const int32_t* positions,
                  float scale, float* out, std::vector<int32_t>& pages, std::vector<float>& work) {
   const int64_t groups = s.heads / s.kv_heads, d = s.dim, ps = s.page_size;
-  const int64_t pair = row * s.kv_heads + kv_head;
   pages.clear();
-  if (page_idx == nullptr) {
+  if (idx == nullptr) {
     const int64_t last = std::min<int64_t>(positions[row] / ps, s.pages - 1);
     for (int64_t p = 0; p <= last; ++p) pages.push_back(static_cast<int32_t>(p));
   } else {
-    const int32_t* idx = page_idx + pair * s.slots;
-    const bool* ok = page_valid + pair * s.slots;
     for (int64_t i = 0; i < s.slots; ++i) {
       if (ok[i] && idx[i] >= 0 && idx[i] < s.pages) pages.push_back(idx[i]);
     }
@@ -210,9 +210,21 @@ void AttendGroup(const Shape& s, const Layout& layout, int64_t row, int64_t kv_h
   }
 }
 
+inline void CpuRelax() {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();
+#elif defined(__aarch64__)
+  asm volatile("yield");
+#endif
+}
+
 // Runs fn(i) for i in [0, n) on the caller and up to threads - 1 pool workers. The caller
 // waits only for the work items, not for the scheduled tasks to start: a late task finds
-// nothing left and returns, touching only the shared counters it co-owns.
+// nothing left and returns, touching only the shared counters it co-owns. Out of items, the
+// caller first spins a little (what is left is the item a worker holds: at most ~20 us at the
+// quickstart's shape), then blocks: sleeping at once adds its own wake-up to every call
+// (measured, rollout decode on 2 cores: caller wait 11-17 -> 4-8 us per call). Spinning
+// without a bound instead starves a worker that the OS descheduled.
 template <typename Fn>
 void ParallelFor(ffi::ThreadPool& pool, int64_t n, Fn fn) {
   struct Shared {
@@ -235,6 +247,10 @@ void ParallelFor(ffi::ThreadPool& pool, int64_t n, Fn fn) {
   const int64_t helpers = std::min<int64_t>(std::max<int64_t>(pool.num_threads(), 1), n) - 1;
   for (int64_t i = 0; i < helpers; ++i) pool.Schedule([worker] { worker(); });  // an rvalue: Schedule copies it
   worker();
+  const auto out_of_items = std::chrono::steady_clock::now();
+  while (shared->done.load() < n && std::chrono::steady_clock::now() - out_of_items < std::chrono::microseconds(25)) {
+    CpuRelax();
+  }
   std::unique_lock<std::mutex> lock(shared->mu);
   shared->cv.wait(lock, [&] { return shared->done.load() == n; });
 }
@@ -245,8 +261,9 @@ void Run(ffi::ThreadPool& pool, const Shape& s, const Layout& layout, const floa
   ParallelFor(pool, s.batch * s.kv_heads, [=](int64_t pair) {
     thread_local std::vector<int32_t> pages;
     thread_local std::vector<float> work;
-    AttendGroup(s, layout, pair / s.kv_heads, pair % s.kv_heads, q, k, v, idx, valid, positions, scale, out,
-                pages, work);
+    const bool sparse = idx != nullptr;
+    AttendGroup(s, layout, pair / s.kv_heads, pair % s.kv_heads, q, k, v, sparse ? idx + pair * s.slots : nullptr,
+                sparse ? valid + pair * s.slots : nullptr, positions, scale, out, pages, work);
   });
 }
 
@@ -423,6 +440,45 @@ void ScorePages(const float* qg, const float* meta_a, const float* meta_b, bool 
   }
 }
 
+// What a decode step's page selection reads: qg [B, Hkv, D] group-mean queries, metadata rows
+// (meta_a: centroid or Quest's kmin, meta_b: kmax), positions and budget [B], the settings.
+struct Selection {
+  const float* qg;
+  const float* meta_a;
+  const float* meta_b;
+  bool quest;
+  const int32_t* positions;
+  const int32_t* budget;
+  int64_t kv_heads, dim, num_pages, k_max, page_size, reserved_first, reserved_last;
+};
+
+// Scores and selects the pages of one (row, KV head) into its slots idx / valid.
+// ``meta_at(page)``: the element offset of a logical page's metadata row.
+template <typename MetaAt>
+void SelectPair(const Selection& sel, int64_t pair, MetaAt meta_at, int32_t* idx, bool* valid) {
+  thread_local std::vector<uint64_t> candidates;
+  thread_local std::vector<float> scores;
+  const int64_t row = pair / sel.kv_heads;
+  const int64_t position = sel.positions[row];
+  const int64_t last = std::min(position / sel.page_size - sel.reserved_last, sel.num_pages - 1);
+  scores.assign(sel.num_pages, 0.0f);
+  ScorePages(sel.qg + pair * sel.dim, sel.meta_a, sel.meta_b, sel.quest, sel.reserved_first, last, sel.dim, meta_at,
+             scores.data());
+  SelectGroup(scores.data(), sel.num_pages, position, sel.budget[row], sel.k_max, sel.page_size, sel.reserved_first,
+              sel.reserved_last, idx, valid, candidates);
+}
+
+// Offset of logical page p's metadata row for (row, KV head) of ``pair``, through a page table
+// [B, W] into pool metadata [NP, Hkv, D].
+struct PooledMeta {
+  const int32_t* table;
+  int64_t pair, width, kv_heads, dim;
+  int64_t operator()(int64_t p) const {
+    const int64_t row = pair / kv_heads, head = pair % kv_heads;
+    return (static_cast<int64_t>(table[row * width + p]) * kv_heads + head) * dim;
+  }
+};
+
 // qg [B, Hkv, D] group-mean queries; metadata per row [B, Hkv, P, D] (table empty) or a pool
 // [NP, Hkv, D] read through page_table [B, W]; meta_b: Quest's kmax (kmin in meta_a), ignored
 // for centroid scores. Output: the slots of SelectGroup.
@@ -446,32 +502,87 @@ ffi::Error ScoreSelectImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> qg, ffi::
   if (paged && !TableInPool(table, td[0] * td[1], md[0])) {
     return ffi::Error::InvalidArgument("score_select_cpu: page table entry outside the pool");
   }
+  const Selection sel{qg.typed_data(), meta_a.typed_data(), meta_b.typed_data(), quest != 0, positions.typed_data(),
+                      budget.typed_data(), kv_heads, dim, num_pages, k_max, page_size, reserved_first, reserved_last};
   const int64_t slots = reserved_first + k_max + reserved_last;
-  const float* q = qg.typed_data();
-  const float* a = meta_a.typed_data();
-  const float* b = meta_b.typed_data();
-  const int32_t* pos = positions.typed_data();
-  const int32_t* bud = budget.typed_data();
   int32_t* idx = page_idx->typed_data();
   bool* valid = reinterpret_cast<bool*>(page_valid->typed_data());
   ParallelFor(pool, batch * kv_heads, [=](int64_t pair) {
-    thread_local std::vector<uint64_t> candidates;
-    thread_local std::vector<float> scores;
-    const int64_t row = pair / kv_heads, head = pair % kv_heads;
-    const int64_t last = std::min(pos[row] / page_size - reserved_last, num_pages - 1);
-    scores.assign(num_pages, 0.0f);
     if (paged) {
-      ScorePages(q + pair * dim, a, b, quest != 0, reserved_first, last, dim,
-                 [&](int64_t p) { return (static_cast<int64_t>(table[row * num_pages + p]) * kv_heads + head) * dim; },
-                 scores.data());
+      SelectPair(sel, pair, PooledMeta{table, pair, num_pages, kv_heads, dim}, idx + pair * slots, valid + pair * slots);
     } else {
-      ScorePages(q + pair * dim, a, b, quest != 0, reserved_first, last, dim,
-                 [&](int64_t p) { return (pair * num_pages + p) * dim; }, scores.data());
+      SelectPair(sel, pair, [&](int64_t p) { return (pair * num_pages + p) * dim; }, idx + pair * slots,
+                 valid + pair * slots);
     }
-    SelectGroup(scores.data(), num_pages, pos[row], bud[row], k_max, page_size, reserved_first, reserved_last,
-                idx + pair * slots, valid + pair * slots, candidates);
   });
   return ffi::Error::Success();
+}
+
+// One layer's sparse decode step on a page pool in one pass per (row, KV head): score its pages
+// from the pool's metadata, select, attend. Bit for bit ScoreSelect then PagedDecode, with one
+// thread-pool round per layer-step instead of two: at the quickstart's shape a round's start
+// and end (a pool worker waking, the caller waiting for its last item) cost about as much as
+// the selection itself, and the selected slots never leave the core.
+template <typename KV>
+void RunPagedSparseStep(ffi::ThreadPool& pool, const Shape& s, const Selection& sel, const int32_t* table,
+                        const float* q, const KV* k, const KV* v, float scale, float* out) {
+  const Layout layout{table};
+  ParallelFor(pool, s.batch * s.kv_heads, [=](int64_t pair) {
+    thread_local std::vector<int32_t> idx;
+    thread_local std::vector<uint8_t> valid;  // bool slots (std::vector<bool> is a bitset)
+    thread_local std::vector<int32_t> pages;
+    thread_local std::vector<float> work;
+    idx.resize(s.slots);
+    valid.resize(s.slots);
+    bool* ok = reinterpret_cast<bool*>(valid.data());
+    SelectPair(sel, pair, PooledMeta{table, pair, s.pages, s.kv_heads, s.dim}, idx.data(), ok);
+    AttendGroup(s, layout, pair / s.kv_heads, pair % s.kv_heads, q, k, v, idx.data(), ok, sel.positions, scale, out,
+                pages, work);
+  });
+}
+
+// q [B, H, D], k_pool / v_pool [NP, Hkv, S, D], page_table [B, W], qg [B, Hkv, D], metadata
+// [NP, Hkv, D], positions / budget [B]  ->  out [B, H, D].
+ffi::Error PagedSparseStepImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k_pool,
+                               ffi::AnyBuffer v_pool, ffi::Buffer<ffi::S32> page_table, ffi::Buffer<ffi::F32> qg,
+                               ffi::Buffer<ffi::F32> meta_a, ffi::Buffer<ffi::F32> meta_b,
+                               ffi::Buffer<ffi::S32> positions, ffi::Buffer<ffi::S32> budget, float scale,
+                               int64_t k_max, int64_t reserved_first, int64_t reserved_last, int64_t quest,
+                               ffi::ResultBuffer<ffi::F32> out) {
+  auto qd = q.dimensions();
+  auto kd = k_pool.dimensions();
+  auto td = page_table.dimensions();
+  auto gd = qg.dimensions();
+  auto md = meta_a.dimensions();
+  if (qd.size() != 3 || kd.size() != 4 || td.size() != 2 || gd.size() != 3 || md.size() != 3 || td[0] != qd[0] ||
+      gd[0] != qd[0] || gd[1] != kd[1] || gd[2] != qd[2] || md[0] != kd[0] || md[1] != kd[1] || md[2] != qd[2] ||
+      kd[3] != qd[2] || k_max > td[1]) {
+    return ffi::Error::InvalidArgument(
+        "paged_sparse_step_cpu: expected q [B,H,D], pool [NP,Hkv,S,D], table [B,W], qg [B,Hkv,D], "
+        "metadata [NP,Hkv,D] and k_max <= W");
+  }
+  const int32_t* table = page_table.typed_data();
+  if (!TableInPool(table, td[0] * td[1], kd[0])) {
+    return ffi::Error::InvalidArgument("paged_sparse_step_cpu: page table entry outside the pool");
+  }
+  const Shape s{qd[0], qd[1], kd[1], td[1], kd[2], kd[3], reserved_first + k_max + reserved_last};
+  const Selection sel{qg.typed_data(), meta_a.typed_data(), meta_b.typed_data(), quest != 0, positions.typed_data(),
+                      budget.typed_data(), kd[1], kd[3], td[1], k_max, kd[2], reserved_first, reserved_last};
+  if (k_pool.element_type() != v_pool.element_type()) {
+    return ffi::Error::InvalidArgument("paged_sparse_step_cpu: K and V pool dtypes differ");
+  }
+  switch (k_pool.element_type()) {
+    case ffi::F32:
+      RunPagedSparseStep(pool, s, sel, table, q.typed_data(), reinterpret_cast<const float*>(k_pool.untyped_data()),
+                         reinterpret_cast<const float*>(v_pool.untyped_data()), scale, out->typed_data());
+      return ffi::Error::Success();
+    case ffi::BF16:
+      RunPagedSparseStep(pool, s, sel, table, q.typed_data(), reinterpret_cast<const uint16_t*>(k_pool.untyped_data()),
+                         reinterpret_cast<const uint16_t*>(v_pool.untyped_data()), scale, out->typed_data());
+      return ffi::Error::Success();
+    default:
+      return ffi::Error::InvalidArgument("paged_sparse_step_cpu: K/V pool must be float32 or bfloat16");
+  }
 }
 
 }  // namespace
@@ -492,6 +603,25 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(SparrowScoreSelectCpu, ScoreSelectImpl,
                                   .Attr<int64_t>("quest")
                                   .Ret<ffi::Buffer<ffi::S32>>()    // page_idx
                                   .Ret<ffi::Buffer<ffi::PRED>>()); // page_valid
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(SparrowPagedSparseStepCpu, PagedSparseStepImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()    // q
+                                  .Arg<ffi::AnyBuffer>()           // k_pool
+                                  .Arg<ffi::AnyBuffer>()           // v_pool
+                                  .Arg<ffi::Buffer<ffi::S32>>()    // page_table
+                                  .Arg<ffi::Buffer<ffi::F32>>()    // qg
+                                  .Arg<ffi::Buffer<ffi::F32>>()    // meta_a: centroid or kmin
+                                  .Arg<ffi::Buffer<ffi::F32>>()    // meta_b: kmax (quest)
+                                  .Arg<ffi::Buffer<ffi::S32>>()    // positions
+                                  .Arg<ffi::Buffer<ffi::S32>>()    // budget
+                                  .Attr<float>("scale")
+                                  .Attr<int64_t>("k_max")
+                                  .Attr<int64_t>("reserved_first")
+                                  .Attr<int64_t>("reserved_last")
+                                  .Attr<int64_t>("quest")
+                                  .Ret<ffi::Buffer<ffi::F32>>());  // out
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(SparrowSparseDecodeCpu, SparseDecodeImpl,
                               ffi::Ffi::Bind()
