@@ -54,7 +54,7 @@ def reward_start_end(rewards: list, window: int) -> dict:
             "reward_change_se": se}
 
 
-def measure_rollout_speedup(ctx: RunContext, result: TrainResult, num_prompts: int = 8, repeats: int = 5) -> dict:
+def measure_rollout_speedup(ctx: RunContext, result: TrainResult, num_prompts: int = 8, repeats: int = 9) -> dict:
     """Dense vs sparse rollout of the same eval prompts with the final params, timed in one run;
     ``sparse_token_fraction`` of the sparse rollout's generated tokens.
 
