@@ -267,27 +267,31 @@ void Run(ffi::ThreadPool& pool, const Shape& s, const Layout& layout, const floa
   });
 }
 
-// Dtype dispatch shared by the three handlers; idx / valid nullptr: dense.
-ffi::Error Dispatch(ffi::ThreadPool& pool, const Shape& s, const Layout& layout, ffi::Buffer<ffi::F32>& q,
-                    ffi::AnyBuffer& k, ffi::AnyBuffer& v, const int32_t* idx, const bool* valid,
-                    ffi::Buffer<ffi::S32>& positions, float scale, ffi::ResultBuffer<ffi::F32>& out) {
+// Calls run(k, v) with the K / V data typed by their dtype (float, or bf16 as uint16_t bits).
+template <typename RunFn>
+ffi::Error WithKvDtype(ffi::AnyBuffer& k, ffi::AnyBuffer& v, RunFn run) {
   if (k.element_type() != v.element_type()) {
     return ffi::Error::InvalidArgument("decode_cpu: K and V pages dtypes differ");
   }
   switch (k.element_type()) {
     case ffi::F32:
-      Run(pool, s, layout, q.typed_data(), reinterpret_cast<const float*>(k.untyped_data()),
-          reinterpret_cast<const float*>(v.untyped_data()), idx, valid, positions.typed_data(), scale,
-          out->typed_data());
+      run(reinterpret_cast<const float*>(k.untyped_data()), reinterpret_cast<const float*>(v.untyped_data()));
       return ffi::Error::Success();
     case ffi::BF16:
-      Run(pool, s, layout, q.typed_data(), reinterpret_cast<const uint16_t*>(k.untyped_data()),
-          reinterpret_cast<const uint16_t*>(v.untyped_data()), idx, valid, positions.typed_data(), scale,
-          out->typed_data());
+      run(reinterpret_cast<const uint16_t*>(k.untyped_data()), reinterpret_cast<const uint16_t*>(v.untyped_data()));
       return ffi::Error::Success();
     default:
       return ffi::Error::InvalidArgument("decode_cpu: K/V pages must be float32 or bfloat16");
   }
+}
+
+// The attention-only handlers' shared body; idx / valid nullptr: dense.
+ffi::Error Dispatch(ffi::ThreadPool& pool, const Shape& s, const Layout& layout, ffi::Buffer<ffi::F32>& q,
+                    ffi::AnyBuffer& k, ffi::AnyBuffer& v, const int32_t* idx, const bool* valid,
+                    ffi::Buffer<ffi::S32>& positions, float scale, ffi::ResultBuffer<ffi::F32>& out) {
+  return WithKvDtype(k, v, [&](auto* kd, auto* vd) {
+    Run(pool, s, layout, q.typed_data(), kd, vd, idx, valid, positions.typed_data(), scale, out->typed_data());
+  });
 }
 
 ffi::Error SparseDecodeImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k_pages,
@@ -568,21 +572,9 @@ ffi::Error PagedSparseStepImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ff
   const Shape s{qd[0], qd[1], kd[1], td[1], kd[2], kd[3], reserved_first + k_max + reserved_last};
   const Selection sel{qg.typed_data(), meta_a.typed_data(), meta_b.typed_data(), quest != 0, positions.typed_data(),
                       budget.typed_data(), kd[1], kd[3], td[1], k_max, kd[2], reserved_first, reserved_last};
-  if (k_pool.element_type() != v_pool.element_type()) {
-    return ffi::Error::InvalidArgument("paged_sparse_step_cpu: K and V pool dtypes differ");
-  }
-  switch (k_pool.element_type()) {
-    case ffi::F32:
-      RunPagedSparseStep(pool, s, sel, table, q.typed_data(), reinterpret_cast<const float*>(k_pool.untyped_data()),
-                         reinterpret_cast<const float*>(v_pool.untyped_data()), scale, out->typed_data());
-      return ffi::Error::Success();
-    case ffi::BF16:
-      RunPagedSparseStep(pool, s, sel, table, q.typed_data(), reinterpret_cast<const uint16_t*>(k_pool.untyped_data()),
-                         reinterpret_cast<const uint16_t*>(v_pool.untyped_data()), scale, out->typed_data());
-      return ffi::Error::Success();
-    default:
-      return ffi::Error::InvalidArgument("paged_sparse_step_cpu: K/V pool must be float32 or bfloat16");
-  }
+  return WithKvDtype(k_pool, v_pool, [&](auto* k, auto* v) {
+    RunPagedSparseStep(pool, s, sel, table, q.typed_data(), k, v, scale, out->typed_data());
+  });
 }
 
 }  // namespace
