@@ -8,7 +8,7 @@ import pytest
 
 from sparrow_jax.models import init_params, tiny_config
 from sparrow_jax.rollout import SamplingParams, SparsitySchedule, generate, generate_continuous, sampler
-from sparrow_jax.rollout.page_pool import PageAllocator
+from sparrow_jax.rollout.page_pool import PageAllocator, init_pool
 
 CONFIG = tiny_config(num_hidden_layers=2)
 PARAMS = init_params(CONFIG, seed=5)
@@ -61,6 +61,17 @@ def test_sampling_same_tokens_and_logprob_semantics():
     fixed, new = _pair(SPARSE, 1.0, seed=1)
     assert (fixed.lengths - fixed.prompt_lens).min() < (fixed.lengths - fixed.prompt_lens).max()
     _assert_same_rollout(fixed, new, 1e-5)  # per-request keys: the draws do not depend on batch-mates
+
+
+def test_quest_pages_and_pool_metadata_follow_the_selector():
+    """A Quest schedule through the engine samples what the fixed sampler samples, and each pool
+    holds only the metadata its selector reads (dense: none)."""
+    quest = dataclasses.replace(SPARSE, selector="quest")
+    fixed, new = _pair(quest, 1.0, seed=3)
+    _assert_same_rollout(fixed, new, 1e-5)
+    present = {sel: tuple(x is not None for x in init_pool(1, 4, 2, 4, 8, jnp.float32, sel)[0][2:])
+               for sel in (None, "centroid", "quest")}
+    assert present == {None: (False, False, False), "centroid": (True, False, False), "quest": (False, True, True)}
 
 
 @pytest.mark.parametrize("noise_bytes", [1, 3 * 5 * 4 * CONFIG.vocab_size])

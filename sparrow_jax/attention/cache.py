@@ -99,17 +99,17 @@ def write_prefill(cache: PagedKVCache, k: jax.Array, v: jax.Array, lengths: jax.
         kmax=upd(cache.kmax, kmax) if with_minmax else None)
 
 
-def running_page_metadata(old_centroid: jax.Array, old_min: Optional[jax.Array], old_max: Optional[jax.Array],
-                          kf: jax.Array, slot: jax.Array):
+def running_page_metadata(old_centroid: Optional[jax.Array], old_min: Optional[jax.Array],
+                          old_max: Optional[jax.Array], kf: jax.Array, slot: jax.Array):
     """Page metadata after adding key ``kf`` [B, Hkv, D] float32 at in-page ``slot`` [B].
 
     The centroid is a running mean: c <- c + (k - c) / n with n the tokens now in the page;
-    slot 0 starts the page afresh. Returns (centroid, kmin, kmax) (the last two None when
-    ``old_min`` is None).
+    slot 0 starts the page afresh. Returns (centroid, kmin, kmax), each None when its old
+    value is None (kmin and kmax go together).
     """
     first = (slot == 0)[:, None, None]
     n = (slot + 1).astype(jnp.float32)[:, None, None]
-    centroid = jnp.where(first, kf, old_centroid + (kf - old_centroid) / n)
+    centroid = None if old_centroid is None else jnp.where(first, kf, old_centroid + (kf - old_centroid) / n)
     if old_min is None:
         return centroid, None, None
     return (centroid, jnp.where(first, kf, jnp.minimum(old_min, kf)),

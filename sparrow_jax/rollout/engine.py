@@ -185,7 +185,7 @@ def generate_continuous(config: Qwen3Config, params: Params, prompts: Sequence[S
     allocator = PageAllocator(pool_size(1 + batch * (-(-segment_steps // page) + 1) + sum(
         -(-len(p) // page) for p in first_prompts)))
     pools = init_pool(config.num_hidden_layers, allocator.num_pages, config.num_key_value_heads, page,
-                      config.head_dim, config.compute_dtype, with_minmax)
+                      config.head_dim, config.compute_dtype, None if schedule is None else schedule.selector)
     state = _SegmentState(jnp.zeros((), jnp.int32), None, None, None, None, pools,
                           jnp.full((num + 1, max_new), pad_id, jnp.int32), jnp.zeros((num + 1, max_new), jnp.float32))
     slots: list[Optional[_Slot]] = [None] * batch

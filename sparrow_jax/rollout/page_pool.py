@@ -1,7 +1,8 @@
 """A shared KV page pool with a page table: memory follows the tokens, prompts are shared.
 
 Device side (one :class:`PoolLayer` per layer): pages of every row live in one pool
-``k, v [NP, Hkv, S, D]`` with metadata ``centroid / kmin / kmax [NP, Hkv, D]``; a row sees its
+``k, v [NP, Hkv, S, D]`` with the metadata its page selector reads (``centroid``, or Quest's
+``kmin / kmax``, [NP, Hkv, D]; none for dense decoding); a row sees its
 pages through a page table ``[B, W]`` (logical page -> physical page). Physical page 0 is a
 scratch page: idle slots and unused table entries point at it, so their writes land nowhere
 that matters. Full prompt pages are shared by the rows sampling the same prompt (refcounts);
@@ -29,19 +30,24 @@ SCRATCH_PAGE = 0
 class PoolLayer(NamedTuple):
     k: jax.Array  # [NP, Hkv, S, D]
     v: jax.Array  # [NP, Hkv, S, D]
-    centroid: jax.Array  # [NP, Hkv, D] float32
+    centroid: Optional[jax.Array] = None  # [NP, Hkv, D] float32, centroid selector only
     kmin: Optional[jax.Array] = None  # [NP, Hkv, D] float32, Quest selector only
     kmax: Optional[jax.Array] = None
 
 
 def init_pool(num_layers: int, num_pages: int, num_kv_heads: int, page_size: int, head_dim: int, dtype,
-              with_minmax: bool) -> tuple[PoolLayer, ...]:
-    """Empty pools of ``num_pages`` pages per layer (page 0 is the scratch page)."""
+              selector: Optional[str]) -> tuple[PoolLayer, ...]:
+    """Empty pools of ``num_pages`` pages per layer (page 0 is the scratch page), with the
+    metadata ``selector`` reads ("centroid" or "quest"; None: dense, no metadata). Why not all
+    of it always: every decode step updates what the pool holds, and bookkeeping the attention
+    never reads would be charged to both sides of the dense-vs-sparse comparison."""
     kv = (num_pages, num_kv_heads, page_size, head_dim)
     meta = (num_pages, num_kv_heads, head_dim)
-    return tuple(PoolLayer(jnp.zeros(kv, dtype), jnp.zeros(kv, dtype), jnp.zeros(meta, jnp.float32),
-                           jnp.full(meta, jnp.inf, jnp.float32) if with_minmax else None,
-                           jnp.full(meta, -jnp.inf, jnp.float32) if with_minmax else None)
+    quest = selector == "quest"
+    return tuple(PoolLayer(jnp.zeros(kv, dtype), jnp.zeros(kv, dtype),
+                           jnp.zeros(meta, jnp.float32) if selector == "centroid" else None,
+                           jnp.full(meta, jnp.inf, jnp.float32) if quest else None,
+                           jnp.full(meta, -jnp.inf, jnp.float32) if quest else None)
                  for _ in range(num_layers))
 
 
@@ -65,7 +71,7 @@ def grow_pool(pools: tuple[PoolLayer, ...], num_pages: int) -> tuple[PoolLayer, 
         pad = [(0, num_pages - x.shape[0])] + [(0, 0)] * (x.ndim - 1)
         return jnp.pad(x, pad, constant_values=fill)
 
-    return tuple(PoolLayer(grow(p.k, 0), grow(p.v, 0), grow(p.centroid, 0),
+    return tuple(PoolLayer(grow(p.k, 0), grow(p.v, 0), None if p.centroid is None else grow(p.centroid, 0),
                            None if p.kmin is None else grow(p.kmin, jnp.inf),
                            None if p.kmax is None else grow(p.kmax, -jnp.inf)) for p in pools)
 
@@ -79,7 +85,8 @@ def store_prefill(pools: tuple[PoolLayer, ...], caches: Sequence[PagedKVCache], 
     out = []
     for pool, cache in zip(pools, caches):
         put = lambda dst, src: dst.at[dest].set(jnp.swapaxes(src[0], 0, 1).astype(dst.dtype))
-        out.append(PoolLayer(put(pool.k, cache.k), put(pool.v, cache.v), put(pool.centroid, cache.centroid),
+        out.append(PoolLayer(put(pool.k, cache.k), put(pool.v, cache.v),
+                             None if pool.centroid is None else put(pool.centroid, cache.centroid),
                              None if pool.kmin is None else put(pool.kmin, cache.kmin),
                              None if pool.kmax is None else put(pool.kmax, cache.kmax)))
     return tuple(out)
@@ -101,12 +108,10 @@ def append_to_pool(pool: PoolLayer, page_table: jax.Array, k: jax.Array, v: jax.
     old = lambda meta: None if meta is None else meta[phys]
     centroid, kmin, kmax = running_page_metadata(old(pool.centroid), old(pool.kmin), old(pool.kmax),
                                                  k.astype(jnp.float32), slot)
-    out = PoolLayer(pool.k.at[phys, :, slot].set(k.astype(pool.k.dtype)),
-                    pool.v.at[phys, :, slot].set(v.astype(pool.v.dtype)),
-                    pool.centroid.at[phys].set(centroid))
-    if pool.kmin is None:
-        return out
-    return out._replace(kmin=pool.kmin.at[phys].set(kmin), kmax=pool.kmax.at[phys].set(kmax))
+    put = lambda meta, new: None if meta is None else meta.at[phys].set(new)  # noqa: E731
+    return PoolLayer(pool.k.at[phys, :, slot].set(k.astype(pool.k.dtype)),
+                     pool.v.at[phys, :, slot].set(v.astype(pool.v.dtype)),
+                     put(pool.centroid, centroid), put(pool.kmin, kmin), put(pool.kmax, kmax))
 
 
 def _row_view(x: jax.Array, page_table: jax.Array) -> jax.Array:
