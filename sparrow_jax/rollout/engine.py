@@ -113,7 +113,8 @@ def _decode_segment(state: _SegmentState, params: Params, page_table: jax.Array,
         return _SegmentState(s.step + 1, jnp.where(write, tok, s.tok), jnp.where(write, nxt, s.pos),
                              jnp.where(write, s.gen + 1, s.gen), done, pools, out_tokens, out_logprobs), noise
 
-    noise = jnp.zeros((state.tok.shape[0], ahead, config.vocab_size), jnp.float32)
+    drawn = ahead if sampling.temperature > 0.0 else 0  # greedy draws no noise: carry nothing
+    noise = jnp.zeros((state.tok.shape[0], drawn, config.vocab_size), jnp.float32)
     return jax.lax.while_loop(cond, body, (state, noise))[0]
 
 
