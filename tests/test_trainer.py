@@ -186,6 +186,21 @@ def test_sigkill_mid_run_then_resume_finishes(tmp_path):
     report = json.load(open(workdir / "report.json"))
     assert {"reward_start", "reward_end", "p5_by_bin", "tau", "rollout_speedup"} <= set(report)
     assert report["speedup_timed_compiles"] == 0  # the timed rollouts reuse the untimed run's programs
+    paired = report["rollout_speedup_paired"]
+    assert 0 < paired["min"] <= paired["median"] <= paired["max"]
+
+
+def test_speedup_summary_is_best_over_best_with_the_paired_spread():
+    from sparrow_jax.run.pipeline import speedup_summary
+
+    out = speedup_summary([10.0, 20.0, 16.0], [15.0, 22.0, 24.0])  # repeats: dense, then sparse
+    assert out["rollout_speedup"] == pytest.approx(24.0 / 20.0)
+    assert (out["dense_tok_s"], out["sparse_tok_s"]) == (20.0, 24.0)
+    assert out["rollout_speedup_paired"] == pytest.approx({"min": 1.1, "median": 1.5, "max": 1.5})
+    with pytest.raises(ValueError, match="as many sparse as dense"):
+        speedup_summary([10.0, 20.0], [15.0])
+    with pytest.raises(ValueError, match="as many sparse as dense"):
+        speedup_summary([], [])
 
 
 def test_reward_windows_are_one_pass_over_cycled_prompts():

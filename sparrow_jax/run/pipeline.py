@@ -54,29 +54,51 @@ def reward_start_end(rewards: list, window: int) -> dict:
             "reward_change_se": se}
 
 
+def speedup_summary(dense_tok_s: list[float], sparse_tok_s: list[float]) -> dict:
+    """Rollout speedup from alternating repeats (``dense_tok_s[i]`` then ``sparse_tok_s[i]``).
+
+    ``rollout_speedup``: each side's best repeat, the best over the worst (the least disturbed
+    run of each). ``rollout_speedup_paired``: min / median / max of the ratios of the repeats timed
+    back to back, which show how far one run's figure moves with the machine's noise: on a shared
+    2-core machine a process's dense speed varies by a third with where its KV pool lands in memory.
+    """
+    if not dense_tok_s or len(dense_tok_s) != len(sparse_tok_s):
+        raise ValueError(f"need as many sparse as dense repeats (>= 1), got {len(dense_tok_s)} dense and "
+                         f"{len(sparse_tok_s)} sparse")
+    paired = np.asarray(sparse_tok_s, np.float64) / np.asarray(dense_tok_s, np.float64)
+    best_dense, best_sparse = max(dense_tok_s), max(sparse_tok_s)
+    return {"rollout_speedup": best_sparse / best_dense, "dense_tok_s": best_dense, "sparse_tok_s": best_sparse,
+            "rollout_speedup_paired": {"min": float(paired.min()), "median": float(np.median(paired)),
+                                       "max": float(paired.max())}}
+
+
+def _paired_text(report: dict) -> str:
+    paired = report.get("rollout_speedup_paired")
+    return f" (repeats timed back to back: {paired['min']:.2f}-{paired['max']:.2f}, median {paired['median']:.2f})" \
+        if paired else ""
+
+
 def measure_rollout_speedup(ctx: RunContext, result: TrainResult, num_prompts: int = 8, repeats: int = 9) -> dict:
-    """Dense vs sparse rollout of the same eval prompts with the final params, timed in one run;
-    ``sparse_token_fraction`` of the sparse rollout's generated tokens.
+    """Dense vs sparse rollout of the same eval prompts with the final params, timed in one run
+    (:func:`speedup_summary`); ``sparse_token_fraction`` of the sparse rollout's generated tokens.
 
     Each side first runs once untimed, then ``repeats`` times with the same key, dense and sparse
     alternating so that other load on the machine hits both alike: the timed runs do exactly the
     compiled work of the first (another key would give other lengths, hence other pool sizes and
-    segment shapes, and time their compilation). Decode tokens/s is each side's best repeat (the
-    least disturbed)."""
+    segment shapes, and time their compilation). A repeat's speed is its decode tokens/s."""
     if result.schedule is None:
         return {"rollout_speedup": 1.0, "sparse_token_fraction": 0.0}
     rows, params = ctx.eval_rows[:num_prompts], result.state.train.params
     sides = {"dense": None, "sparse": result.schedule}
     for sched in sides.values():
         sample(ctx, params, rows, jax.random.PRNGKey(1), 2, sched)  # compile every shape this work needs
-    timings, timed_compiles = {name: 0.0 for name in sides}, 0
+    tok_s, timed_compiles = {name: [] for name in sides}, 0
     for _ in range(repeats):
         for name, sched in sides.items():
             rollout, _ = sample(ctx, params, rows, jax.random.PRNGKey(1), 2, sched)
-            timings[name] = max(timings[name], rollout.stats["decode_tokens"] / max(rollout.stats["decode_s"], 1e-9))
+            tok_s[name].append(rollout.stats["decode_tokens"] / max(rollout.stats["decode_s"], 1e-9))
             timed_compiles += int(rollout.stats.get("compiles", 0))
-    return {"rollout_speedup": timings["sparse"] / timings["dense"], "dense_tok_s": timings["dense"],
-            "sparse_tok_s": timings["sparse"], "speedup_timed_compiles": timed_compiles,
+    return {**speedup_summary(tok_s["dense"], tok_s["sparse"]), "speedup_timed_compiles": timed_compiles,
             "sparse_token_fraction": sparse_token_fraction(result.schedule, rollout.prompt_lens, rollout.lengths)}
 
 
@@ -307,7 +329,8 @@ def run_pipeline(spec: RunSpec) -> dict:
     if is_primary():  # only process 0 writes reports
         atomic_write_json(os.path.join(spec.workdir, "report.json"), report)
     print(f"[report] reward {report['reward_start']:.3f} -> {report['reward_end']:.3f}; "
-          f"rollout speedup {report['rollout_speedup']:.2f}x; p5 by bin {report['p5_by_bin']}", flush=True)
+          f"rollout speedup {report['rollout_speedup']:.2f}x{_paired_text(report)}; p5 by bin {report['p5_by_bin']}",
+          flush=True)
     print(json.dumps({k: report[k] for k in ("reward_start", "reward_end", "p5_by_bin", "tau", "rollout_speedup",
                                              "completion_tokens_mean", "sparse_token_fraction")}))
     return report
