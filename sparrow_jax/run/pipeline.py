@@ -57,8 +57,8 @@ def reward_start_end(rewards: list, window: int) -> dict:
 def speedup_summary(dense_tok_s: list[float], sparse_tok_s: list[float]) -> dict:
     """Rollout speedup from alternating repeats (``dense_tok_s[i]`` then ``sparse_tok_s[i]``).
 
-    ``rollout_speedup``: each side's best repeat, the best over the worst (the least disturbed
-    run of each). ``rollout_speedup_paired``: min / median / max of the ratios of the repeats timed
+    ``rollout_speedup``: sparse's best repeat over dense's best (each side's least disturbed
+    run). ``rollout_speedup_paired``: min / median / max of the ratios of the repeats timed
     back to back, which show how far one run's figure moves with the machine's noise: on a shared
     2-core machine a process's dense speed varies by a third with where its KV pool lands in memory.
     """
