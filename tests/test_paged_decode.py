@@ -9,7 +9,8 @@ from sparrow_jax.attention import dense_decode, dense_decode_dispatch, select_pa
 from sparrow_jax.attention.cpu_kernel import (cpu_kernel_available, dense_decode_cpu, paged_decode_cpu,
                                              paged_sparse_step_cpu, score_select_cpu)
 from sparrow_jax.rollout import SparsitySchedule
-from sparrow_jax.rollout.page_pool import PoolLayer, paged_decode
+from sparrow_jax.attention.selection import group_mean_query
+from sparrow_jax.rollout.page_pool import PoolLayer, append_and_decode, append_to_pool, paged_decode
 
 B, H, HKV, P, S, D = 3, 4, 2, 6, 4, 16
 needs_kernel = pytest.mark.skipif(not cpu_kernel_available(), reason="no C++ compiler: CPU kernel off")
@@ -75,20 +76,61 @@ def test_paged_decode_xla_fallback_equals_cpu_kernel(cache, schedule):
 def test_fused_sparse_step_is_score_select_then_paged_decode_bit_for_bit(cache, selector, dtype):
     q, _, _, positions, table, k_pool, v_pool = cache
     k_pool, v_pool = k_pool.astype(dtype), v_pool.astype(dtype)
-    keys = jax.random.split(jax.random.PRNGKey(5), 3)
+    keys = jax.random.split(jax.random.PRNGKey(5), 2)
     lo = jax.random.normal(keys[0], (B * P + 1, HKV, D))
     meta = dict(centroid=lo, kmin=lo, kmax=lo + jax.random.uniform(keys[1], lo.shape))
-    qg = jax.random.normal(keys[2], (B, HKV, D))
     budget = jnp.array([1, 2, 3], jnp.int32)  # per row; k_max 3 is clipped by no row
-    idx, valid = score_select_cpu(qg, meta["centroid"], meta["kmin"], meta["kmax"], positions, budget, 3, S,
-                                  reserved_first=1, reserved_last=1, selector=selector, page_table=table)
+    idx, valid = score_select_cpu(group_mean_query(q, HKV), meta["centroid"], meta["kmin"], meta["kmax"], positions,
+                                  budget, 3, S, reserved_first=1, reserved_last=1, selector=selector, page_table=table)
     expected = paged_decode_cpu(q, k_pool, v_pool, table, positions, idx, valid)
-    fused = paged_sparse_step_cpu(q, k_pool, v_pool, table, positions, qg, meta["centroid"], meta["kmin"],
-                                  meta["kmax"], budget, 3, reserved_first=1, reserved_last=1, selector=selector)
+    fused, fused_meta = paged_sparse_step_cpu(q, k_pool, v_pool, table, positions, meta["centroid"], meta["kmin"],
+                                              meta["kmax"], budget, 3, reserved_first=1, reserved_last=1,
+                                              selector=selector)
     np.testing.assert_array_equal(fused, expected)
+    kept = (meta["centroid"], None, None) if selector == "centroid" else (None, meta["kmin"], meta["kmax"])
+    for got, given in zip(fused_meta, kept):  # no k_new: the metadata comes back as given
+        assert (got is None) == (given is None) and (got is None or np.array_equal(got, given))
     with pytest.raises(Exception, match="outside the pool"):
-        jax.block_until_ready(paged_sparse_step_cpu(q, k_pool, v_pool, table + 100, positions, qg, **meta,
+        jax.block_until_ready(paged_sparse_step_cpu(q, k_pool, v_pool, table + 100, positions, **meta,
                                                     budget=budget, k_max=3, selector=selector))
     with pytest.raises(ValueError, match="metadata"):
-        paged_sparse_step_cpu(q, k_pool, v_pool, table, positions, qg, *(x[:-1] for x in meta.values()),
+        paged_sparse_step_cpu(q, k_pool, v_pool, table, positions, *(x[:-1] for x in meta.values()),
                               budget=budget, k_max=3, selector=selector)
+    with pytest.raises(ValueError, match="k_new"):
+        paged_sparse_step_cpu(q, k_pool, v_pool, table, positions, **meta, budget=budget, k_max=3, selector=selector,
+                              k_new=jnp.zeros((B, HKV, D + 1)))
+
+
+@needs_kernel
+@pytest.mark.parametrize("selector", ["quest", "centroid"])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_sparse_step_appending_in_the_kernel_equals_append_to_pool_then_decode(cache, selector, dtype):
+    """The engine's sparse step: the kernel's own metadata append (in XLA's buffers) gives the
+    output and pool of XLA's append_to_pool followed by the kernel on that pool, bit for bit;
+    the pure-XLA step agrees to rounding."""
+    q, _, _, _, table, k_pool, v_pool = cache
+    # In-page slots 0 (a page starts afresh), 2 (the centroid divides by 3) and 3; every row's
+    # page being written is its own (distinct physical pages).
+    positions = jnp.array([8, 2 * S + 2, P * S - 1], jnp.int32)
+    keys = jax.random.split(jax.random.PRNGKey(6), 4)
+    lo = jax.random.normal(keys[0], (B * P + 1, HKV, D))
+    quest = selector == "quest"
+    pool = PoolLayer(k_pool.astype(dtype), v_pool.astype(dtype), None if quest else lo, lo if quest else None,
+                     lo + jax.random.uniform(keys[1], lo.shape) if quest else None)
+    k_new, v_new = (jax.random.normal(key, (B, HKV, D)) for key in keys[2:])
+    schedule = SparsitySchedule.fixed(2, page_size=S, reserved_first=1, reserved_last=1, dense_layers=(),
+                                      selector=selector)
+    budget = jnp.array([1, 2, 3], jnp.int32)
+    # Jitted as in the engine's step: XLA fuses the centroid's update into one multiply-add.
+    step = lambda impl: jax.jit(lambda *a: append_and_decode(*a, schedule, budget, 3, impl=impl))  # noqa: E731
+    out, new_pool = step("cpu")(q, k_new, v_new, pool, table, positions)
+    appended = jax.jit(append_to_pool)(pool, table, k_new, v_new, positions)
+    expected = paged_decode(q, appended, table, positions, schedule, budget, 3, impl="cpu")
+    np.testing.assert_array_equal(out, expected)
+    for got, want in zip(new_pool, appended):
+        assert (got is None) == (want is None) and (got is None or np.array_equal(got, want))
+    xla_out, xla_pool = step("xla")(q, k_new, v_new, pool, table, positions)
+    tol = 1e-5 if dtype == jnp.float32 else 2e-2
+    np.testing.assert_allclose(out, xla_out, atol=tol, rtol=tol)
+    for got, want in zip(new_pool, xla_pool):
+        assert (got is None) == (want is None) and (got is None or np.array_equal(got, want))

@@ -36,9 +36,8 @@ import numpy as np
 from sparrow_jax.models.config import Qwen3Config
 from sparrow_jax.models.forward import init_caches, prefill
 from sparrow_jax.models.qwen3 import Params, bind
-from sparrow_jax.rollout.page_pool import (SCRATCH_PAGE, PageAllocator, PoolLayer, append_to_pool, copy_pages,
-                                           grow_pool, init_pool, paged_decode, pool_bytes, pool_size,
-                                           store_prefill)
+from sparrow_jax.rollout.page_pool import (SCRATCH_PAGE, PageAllocator, PoolLayer, append_and_decode, copy_pages,
+                                           grow_pool, init_pool, pool_bytes, pool_size, store_prefill)
 from sparrow_jax.rollout.sampler import (Rollout, SamplingParams, checked_prompt_lens, draws_ahead, request_keys,
                                         round_up, sample_logits, segment_noise)
 from sparrow_jax.rollout.schedule import SparsitySchedule, k_max_bucket
@@ -55,10 +54,10 @@ def pooled_decode_step(config: Qwen3Config, params: Params, tokens: jax.Array, p
     budget = None if schedule is None else schedule.topk_at(positions)
 
     def attention(layer, q, k, v):
-        pool = append_to_pool(pools[layer], page_table, k[:, 0], v[:, 0], positions)
-        new_pools[layer] = pool
         layer_schedule = None if layer in dense_layers else schedule
-        return paged_decode(q[:, 0], pool, page_table, positions, layer_schedule, budget, k_max, impl)[:, None]
+        out, new_pools[layer] = append_and_decode(q[:, 0], k[:, 0], v[:, 0], pools[layer], page_table, positions,
+                                                  layer_schedule, budget, k_max, impl)
+        return out[:, None]
 
     hidden = model(tokens[:, None], positions[:, None], attention)
     return model.logits(hidden[:, 0]), tuple(new_pools)

@@ -135,11 +135,11 @@ def paged_decode(q: jax.Array, pool: PoolLayer, page_table: jax.Array, positions
         if cpu:
             return paged_decode_cpu(q, pool.k, pool.v, page_table, positions)
         return dense_decode(q, _row_view(pool.k, page_table), _row_view(pool.v, page_table), positions)
+    if cpu:  # group mean, scores, selection and attention in one C++ pass per (row, KV head) over the pool
+        return paged_sparse_step_cpu(q, pool.k, pool.v, page_table, positions, pool.centroid, pool.kmin, pool.kmax,
+                                     budget, k_max, schedule.reserved_first, schedule.reserved_last,
+                                     schedule.selector)[0]
     qg = group_mean_query(q, pool.k.shape[1])
-    if cpu:  # scored, selected and attended in one C++ pass per (row, KV head) over the pool
-        return paged_sparse_step_cpu(q, pool.k, pool.v, page_table, positions, qg, pool.centroid, pool.kmin,
-                                     pool.kmax, budget, k_max, schedule.reserved_first, schedule.reserved_last,
-                                     schedule.selector)
     select = dict(k_max=k_max, page_size=schedule.page_size, reserved_first=schedule.reserved_first,
                   reserved_last=schedule.reserved_last, selector=schedule.selector)
     meta = lambda x: None if x is None else _row_view(x, page_table)  # [B, Hkv, W, D]
@@ -147,6 +147,28 @@ def paged_decode(q: jax.Array, pool: PoolLayer, page_table: jax.Array, positions
                                      **select, impl=impl)
     return sparse_decode(q, _row_view(pool.k, page_table), _row_view(pool.v, page_table), idx, valid, positions,
                          impl=impl)
+
+
+def append_and_decode(q: jax.Array, k: jax.Array, v: jax.Array, pool: PoolLayer, page_table: jax.Array,
+                      positions: jax.Array, schedule=None, budget: Optional[jax.Array] = None, k_max: int = 0,
+                      impl: str = "auto") -> tuple[jax.Array, PoolLayer]:
+    """One decode step of one layer on the pool: :func:`append_to_pool` (k, v [B, Hkv, D] at
+    ``positions`` [B]) then :func:`paged_decode` of q [B, H, D]. Returns (out [B, H, D], new pool).
+
+    With the CPU kernel a sparse step appends the key to its page's metadata inside the kernel
+    (XLA writes only K and V): the same numbers without XLA's small metadata ops, which cost
+    the sparse side more than its page selection does.
+    """
+    if schedule is None or resolve_impl(impl) != "cpu":
+        pool = append_to_pool(pool, page_table, k, v, positions)
+        return paged_decode(q, pool, page_table, positions, schedule, budget, k_max, impl), pool
+    from sparrow_jax.attention.cpu_kernel import paged_sparse_step_cpu
+
+    kv = append_to_pool(PoolLayer(pool.k, pool.v), page_table, k, v, positions)
+    out, meta = paged_sparse_step_cpu(q, kv.k, kv.v, page_table, positions, pool.centroid, pool.kmin, pool.kmax,
+                                      budget, k_max, schedule.reserved_first, schedule.reserved_last,
+                                      schedule.selector, k_new=k)
+    return out, PoolLayer(kv.k, kv.v, *meta)
 
 
 class PageAllocator:

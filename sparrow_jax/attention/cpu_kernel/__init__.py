@@ -5,7 +5,8 @@
 :func:`sparrow_jax.attention.decode.dense_decode` (the same kernel over every page: the
 like-for-like dense baseline), ``paged_decode_cpu`` reads a shared page pool through a
 page table (the rollout engine's layout), sparse or dense, and ``paged_sparse_step_cpu`` is
-``score_select_cpu`` then ``paged_decode_cpu`` on a pool in one call. The C++ source
+the engine's sparse decode step in one call (metadata append, group-mean query,
+``score_select_cpu``, then ``paged_decode_cpu`` on a pool). The C++ source
 (``sparse_decode_cpu.cc``) is compiled once per machine with the system C++ compiler
 against the XLA FFI headers shipped in jaxlib, into ``$SPARROW_JAX_CACHE`` (default
 ``~/.cache/sparrow_jax``), keyed by source, jaxlib version, flags and CPU. Without a
@@ -240,39 +241,52 @@ def score_select_cpu(qg: jax.Array, centroid: jax.Array, kmin: Optional[jax.Arra
 
 
 def paged_sparse_step_cpu(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, page_table: jax.Array,
-                          positions: jax.Array, qg: jax.Array, centroid: Optional[jax.Array],
-                          kmin: Optional[jax.Array], kmax: Optional[jax.Array], budget: jax.Array, k_max: int,
-                          reserved_first: int = 1, reserved_last: int = 2, selector: str = "centroid",
-                          scale: Optional[float] = None) -> jax.Array:
-    """One layer's sparse decode step on a page pool: :func:`score_select_cpu` then the sparse
-    :func:`paged_decode_cpu` in one C++ pass per (row, KV head), bit for bit. Returns [B, H, D].
+                          positions: jax.Array, centroid: Optional[jax.Array], kmin: Optional[jax.Array],
+                          kmax: Optional[jax.Array], budget: jax.Array, k_max: int, reserved_first: int = 1,
+                          reserved_last: int = 2, selector: str = "centroid", scale: Optional[float] = None,
+                          k_new: Optional[jax.Array] = None):
+    """One layer's sparse decode step on a page pool in one C++ pass per (row, KV head).
 
-    q [B, H, D]; k_pool, v_pool [NP, Hkv, S, D]; page_table int32 [B, W]; positions, budget [B];
-    qg [B, Hkv, D] group-mean queries; metadata (``centroid``, or Quest's ``kmin`` / ``kmax``)
-    [NP, Hkv, D]. Why one call: each call's thread-pool round (a worker waking, the caller
-    waiting for its last item) costs about as much as the selection at small batches.
+    Bit for bit (with up to four query heads per KV head; XLA may sum larger groups' mean in
+    another order): ``k_new`` appended to its page's metadata as
+    :func:`sparrow_jax.rollout.page_pool.append_to_pool` does, the group-mean query
+    (:func:`sparrow_jax.attention.selection.group_mean_query`), :func:`score_select_cpu`, then
+    the sparse :func:`paged_decode_cpu`. Why one call: at small batches each thread-pool round,
+    and each of XLA's small gather / reduce / scatter ops around it, costs about as much as the
+    selection itself.
+
+    q [B, H, D]; k_pool, v_pool [NP, Hkv, S, D] (the step's K / V already written); page_table
+    int32 [B, W]; positions, budget [B]; metadata (``centroid``, or Quest's ``kmin`` / ``kmax``)
+    [NP, Hkv, D]; k_new [B, Hkv, D] the step's keys, or None (metadata used as given).
+    Returns (out [B, H, D], (centroid, kmin, kmax)): the metadata after the append (updated in
+    place in XLA's buffers), None where the selector keeps none.
     """
     if selector not in ("centroid", "quest"):
         raise ValueError(f"unknown page selector {selector!r}; expected 'centroid' or 'quest'")
-    if selector == "quest" and (kmin is None or kmax is None):
-        raise ValueError("quest selector needs a cache built with with_minmax=True")
+    quest = selector == "quest"
+    if (kmin is None or kmax is None) if quest else centroid is None:
+        raise ValueError(f"the {selector} selector needs its page metadata ({'kmin / kmax' if quest else 'centroid'})")
     b, h, d = q.shape
     if k_pool.ndim != 4 or v_pool.shape != k_pool.shape or k_pool.shape[-1] != d or h % k_pool.shape[1]:
         raise ValueError(f"k_pool / v_pool must be [NP, Hkv, S, D={d}] with H % Hkv == 0, "
                          f"got {k_pool.shape} / {v_pool.shape}")
     num_pages, hkv = k_pool.shape[:2]
-    meta_a, meta_b = (kmin, kmax) if selector == "quest" else (centroid, centroid)
-    if (page_table.ndim != 2 or page_table.shape[0] != b or positions.shape != (b,) or qg.shape != (b, hkv, d)
-            or meta_a.shape != (num_pages, hkv, d) or meta_b.shape != meta_a.shape):
-        raise ValueError(f"paged_sparse_step_cpu: expected page_table [B={b}, W], positions [B], qg [B, {hkv}, {d}] "
-                         f"and metadata [{num_pages}, {hkv}, {d}], got {page_table.shape}, {positions.shape}, "
-                         f"{qg.shape}, {meta_a.shape}, {meta_b.shape}")
-    q32, scale = _checked_query(q, k_pool, v_pool, scale)
+    meta_a = kmin if quest else centroid
+    meta_b = kmax if quest else jnp.zeros((0, hkv, d), jnp.float32)  # centroid: an empty stand-in
+    if (page_table.ndim != 2 or page_table.shape[0] != b or positions.shape != (b,)
+            or meta_a.shape != (num_pages, hkv, d) or (quest and meta_b.shape != meta_a.shape)):
+        raise ValueError(f"paged_sparse_step_cpu: expected page_table [B={b}, W], positions [B] and metadata "
+                         f"[{num_pages}, {hkv}, {d}], got {page_table.shape}, {positions.shape}, {meta_a.shape}, "
+                         f"{meta_b.shape}")
+    if k_new is not None and k_new.shape != (b, hkv, d):
+        raise ValueError(f"paged_sparse_step_cpu: k_new must be [B={b}, {hkv}, {d}], got {k_new.shape}")
+    q_attn, scale = _checked_query(q, k_pool, v_pool, scale)
     budget = jnp.broadcast_to(jnp.asarray(budget, jnp.int32), (b,))
     f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
-    out = jax.ffi.ffi_call(PAGED_SPARSE_STEP_TARGET, jax.ShapeDtypeStruct(q.shape, jnp.float32))(
-        q32, k_pool, v_pool, page_table.astype(jnp.int32), f32(qg), f32(meta_a), f32(meta_b),
+    keys = jnp.zeros((0, hkv, d), jnp.float32) if k_new is None else f32(k_new)
+    shapes = tuple(jax.ShapeDtypeStruct(x.shape, jnp.float32) for x in (q, meta_a, meta_b))
+    out, meta_a, meta_b = jax.ffi.ffi_call(PAGED_SPARSE_STEP_TARGET, shapes, input_output_aliases={6: 1, 7: 2})(
+        q_attn, f32(q), k_pool, v_pool, page_table.astype(jnp.int32), keys, f32(meta_a), f32(meta_b),
         positions.astype(jnp.int32), budget, scale=scale, k_max=np.int64(min(int(k_max), page_table.shape[1])),
-        reserved_first=np.int64(reserved_first), reserved_last=np.int64(reserved_last),
-        quest=np.int64(selector == "quest"))
-    return out.astype(q.dtype)
+        reserved_first=np.int64(reserved_first), reserved_last=np.int64(reserved_last), quest=np.int64(quest))
+    return out.astype(q.dtype), ((None, meta_a, meta_b) if quest else (meta_a, None, None))

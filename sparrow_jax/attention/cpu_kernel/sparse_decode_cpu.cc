@@ -25,8 +25,9 @@
 // split on precomputed integer keys instead of XLA's full top-k); SparrowScoreSelectCpu scores
 // the pages from their metadata (centroid or Quest bounds, per-row or through a page table)
 // and selects in the same pass, so the page scores never leave the core's cache.
-// SparrowPagedSparseStepCpu is ScoreSelect then PagedDecode on a pool in one thread-pool round
-// per layer-step (the rollout engine's sparse decode).
+// SparrowPagedSparseStepCpu is the rollout engine's sparse decode of one layer-step on a pool in
+// one thread-pool round: the step's key appended to its page's metadata, the group-mean query,
+// ScoreSelect, then PagedDecode.
 #include <algorithm>
 #include <atomic>
 #include <chrono>
@@ -456,18 +457,17 @@ struct Selection {
   int64_t kv_heads, dim, num_pages, k_max, page_size, reserved_first, reserved_last;
 };
 
-// Scores and selects the pages of one (row, KV head) into its slots idx / valid.
-// ``meta_at(page)``: the element offset of a logical page's metadata row.
+// Scores and selects the pages of one (row, KV head) into its slots idx / valid from its
+// group-mean query ``qg`` [D]. ``meta_at(page)``: the element offset of a logical page's metadata row.
 template <typename MetaAt>
-void SelectPair(const Selection& sel, int64_t pair, MetaAt meta_at, int32_t* idx, bool* valid) {
+void SelectPair(const Selection& sel, int64_t pair, const float* qg, MetaAt meta_at, int32_t* idx, bool* valid) {
   thread_local std::vector<uint64_t> candidates;
   thread_local std::vector<float> scores;
   const int64_t row = pair / sel.kv_heads;
   const int64_t position = sel.positions[row];
   const int64_t last = std::min(position / sel.page_size - sel.reserved_last, sel.num_pages - 1);
   scores.assign(sel.num_pages, 0.0f);
-  ScorePages(sel.qg + pair * sel.dim, sel.meta_a, sel.meta_b, sel.quest, sel.reserved_first, last, sel.dim, meta_at,
-             scores.data());
+  ScorePages(qg, sel.meta_a, sel.meta_b, sel.quest, sel.reserved_first, last, sel.dim, meta_at, scores.data());
   SelectGroup(scores.data(), sel.num_pages, position, sel.budget[row], sel.k_max, sel.page_size, sel.reserved_first,
               sel.reserved_last, idx, valid, candidates);
 }
@@ -513,67 +513,130 @@ ffi::Error ScoreSelectImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> qg, ffi::
   bool* valid = reinterpret_cast<bool*>(page_valid->typed_data());
   ParallelFor(pool, batch * kv_heads, [=](int64_t pair) {
     if (paged) {
-      SelectPair(sel, pair, PooledMeta{table, pair, num_pages, kv_heads, dim}, idx + pair * slots, valid + pair * slots);
-    } else {
-      SelectPair(sel, pair, [&](int64_t p) { return (pair * num_pages + p) * dim; }, idx + pair * slots,
+      SelectPair(sel, pair, sel.qg + pair * dim, PooledMeta{table, pair, num_pages, kv_heads, dim}, idx + pair * slots,
                  valid + pair * slots);
+    } else {
+      SelectPair(sel, pair, sel.qg + pair * dim, [&](int64_t p) { return (pair * num_pages + p) * dim; },
+                 idx + pair * slots, valid + pair * slots);
     }
   });
   return ffi::Error::Success();
 }
 
-// One layer's sparse decode step on a page pool in one pass per (row, KV head): score its pages
-// from the pool's metadata, select, attend. Bit for bit ScoreSelect then PagedDecode, with one
-// thread-pool round per layer-step instead of two: at the quickstart's shape a round's start
-// and end (a pool worker waking, the caller waiting for its last item) cost about as much as
-// the selection itself, and the selected slots never leave the core.
+// A page's metadata row [D] after the step's key ``k`` [D] lands in in-page slot ``slot``:
+// Quest's bounds (a = kmin, b = kmax) or the centroid's running mean (a), bit for bit as XLA:CPU
+// evaluates sparrow_jax.attention.cache.running_page_metadata (c + (k - c) / n as one fused
+// multiply-add by the reciprocal of n); slot 0 starts the page afresh.
+void UpdatePageMeta(float* a, float* b, const float* k, int64_t slot, bool quest, int64_t dim) {
+  if (slot == 0) {
+    std::memcpy(a, k, dim * sizeof(float));
+    if (quest) std::memcpy(b, k, dim * sizeof(float));
+  } else if (quest) {
+    for (int64_t j = 0; j < dim; ++j) {
+      a[j] = std::min(a[j], k[j]);
+      b[j] = std::max(b[j], k[j]);
+    }
+  } else {
+    const float inv_n = 1.0f / static_cast<float>(slot + 1);
+    for (int64_t j = 0; j < dim; ++j) a[j] = std::fma(k[j] - a[j], inv_n, a[j]);
+  }
+}
+
+// Mean of the G query heads of KV head ``kv_head`` [D] into ``qg``: summed in head order, times
+// 1 / G, as XLA:CPU evaluates jnp.mean over the group axis (bit for bit up to G = 4; larger
+// groups XLA may sum in another order).
+void GroupMeanQuery(const float* q, const Shape& s, int64_t row, int64_t kv_head, float* qg) {
+  const int64_t groups = s.heads / s.kv_heads;
+  const float inv_groups = 1.0f / static_cast<float>(groups);
+  const float* first = q + (row * s.heads + kv_head * groups) * s.dim;
+  for (int64_t j = 0; j < s.dim; ++j) {
+    float sum = first[j];
+    for (int64_t g = 1; g < groups; ++g) sum += first[g * s.dim + j];
+    qg[j] = sum * inv_groups;
+  }
+}
+
+// One layer's sparse decode step on a page pool in one pass per (row, KV head): append the
+// step's key to its page's metadata (``k_new`` non-null), score the pages from the pool's
+// metadata with the group-mean query, select, attend. Bit for bit the reference's metadata
+// update, group mean, ScoreSelect then PagedDecode, with one thread-pool round per layer-step
+// instead of two and none of XLA's small gather / reduce / scatter ops around it: at the
+// quickstart's shape each of those costs about as much as the selection itself. A row writes
+// only the page it appends to (its own: full prompt pages are shared, the last is copied), so
+// the pairs update the pool's metadata in place without a race.
 template <typename KV>
 void RunPagedSparseStep(ffi::ThreadPool& pool, const Shape& s, const Selection& sel, const int32_t* table,
-                        const float* q, const KV* k, const KV* v, float scale, float* out) {
+                        const float* q_attn, const float* q_select, const float* k_new, float* meta_a, float* meta_b,
+                        const KV* k, const KV* v, float scale, float* out) {
   const Layout layout{table};
   ParallelFor(pool, s.batch * s.kv_heads, [=](int64_t pair) {
     thread_local std::vector<int32_t> idx;
     thread_local std::vector<uint8_t> valid;  // bool slots (std::vector<bool> is a bitset)
     thread_local std::vector<int32_t> pages;
     thread_local std::vector<float> work;
+    thread_local std::vector<float> qg;
+    const int64_t row = pair / s.kv_heads, head = pair % s.kv_heads;
+    const PooledMeta meta_at{table, pair, s.pages, s.kv_heads, s.dim};
+    const int64_t position = sel.positions[row];
+    if (k_new != nullptr && position >= 0 && position / s.page_size < s.pages) {  // out of range: dropped, as XLA's scatter
+      const int64_t at = meta_at(position / s.page_size);
+      UpdatePageMeta(meta_a + at, sel.quest ? meta_b + at : nullptr, k_new + pair * s.dim, position % s.page_size,
+                     sel.quest, s.dim);
+    }
+    qg.resize(s.dim);
+    GroupMeanQuery(q_select, s, row, head, qg.data());
     idx.resize(s.slots);
     valid.resize(s.slots);
     bool* ok = reinterpret_cast<bool*>(valid.data());
-    SelectPair(sel, pair, PooledMeta{table, pair, s.pages, s.kv_heads, s.dim}, idx.data(), ok);
-    AttendGroup(s, layout, pair / s.kv_heads, pair % s.kv_heads, q, k, v, idx.data(), ok, sel.positions, scale, out,
-                pages, work);
+    SelectPair(sel, pair, qg.data(), meta_at, idx.data(), ok);
+    AttendGroup(s, layout, row, head, q_attn, k, v, idx.data(), ok, sel.positions, scale, out, pages, work);
   });
 }
 
-// q [B, H, D], k_pool / v_pool [NP, Hkv, S, D], page_table [B, W], qg [B, Hkv, D], metadata
-// [NP, Hkv, D], positions / budget [B]  ->  out [B, H, D].
-ffi::Error PagedSparseStepImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k_pool,
-                               ffi::AnyBuffer v_pool, ffi::Buffer<ffi::S32> page_table, ffi::Buffer<ffi::F32> qg,
-                               ffi::Buffer<ffi::F32> meta_a, ffi::Buffer<ffi::F32> meta_b,
-                               ffi::Buffer<ffi::S32> positions, ffi::Buffer<ffi::S32> budget, float scale,
-                               int64_t k_max, int64_t reserved_first, int64_t reserved_last, int64_t quest,
-                               ffi::ResultBuffer<ffi::F32> out) {
-  auto qd = q.dimensions();
+// q_attn [B, H, D] (rounded to the cache dtype) and q_select [B, H, D] (float32: its group means
+// score the pages), k_pool / v_pool [NP, Hkv, S, D], page_table [B, W], k_new [B, Hkv, D] (the
+// step's keys, appended to the metadata) or [0, Hkv, D] (metadata as given), metadata
+// meta_a [NP, Hkv, D] (centroid or kmin) and meta_b (kmax; any [N, Hkv, D] for centroid),
+// positions / budget [B]  ->  out [B, H, D] and the metadata (aliased to meta_a / meta_b).
+ffi::Error PagedSparseStepImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q_attn, ffi::Buffer<ffi::F32> q_select,
+                               ffi::AnyBuffer k_pool, ffi::AnyBuffer v_pool, ffi::Buffer<ffi::S32> page_table,
+                               ffi::Buffer<ffi::F32> k_new, ffi::Buffer<ffi::F32> meta_a,
+                               ffi::Buffer<ffi::F32> meta_b, ffi::Buffer<ffi::S32> positions,
+                               ffi::Buffer<ffi::S32> budget, float scale, int64_t k_max, int64_t reserved_first,
+                               int64_t reserved_last, int64_t quest, ffi::ResultBuffer<ffi::F32> out,
+                               ffi::ResultBuffer<ffi::F32> meta_a_out, ffi::ResultBuffer<ffi::F32> meta_b_out) {
+  auto qd = q_attn.dimensions();
   auto kd = k_pool.dimensions();
   auto td = page_table.dimensions();
-  auto gd = qg.dimensions();
+  auto nd = k_new.dimensions();
   auto md = meta_a.dimensions();
-  if (qd.size() != 3 || kd.size() != 4 || td.size() != 2 || gd.size() != 3 || md.size() != 3 || td[0] != qd[0] ||
-      gd[0] != qd[0] || gd[1] != kd[1] || gd[2] != qd[2] || md[0] != kd[0] || md[1] != kd[1] || md[2] != qd[2] ||
-      kd[3] != qd[2] || k_max > td[1]) {
+  auto bd = meta_b.dimensions();
+  const bool append = nd.size() == 3 && nd[0] > 0;
+  auto same = [](auto x, auto y) { return x.size() == y.size() && std::equal(x.begin(), x.end(), y.begin()); };
+  if (qd.size() != 3 || !same(q_select.dimensions(), qd) || kd.size() != 4 || td.size() != 2 || md.size() != 3 ||
+      bd.size() != 3 || nd.size() != 3 || td[0] != qd[0] || md[0] != kd[0] || md[1] != kd[1] || md[2] != qd[2] ||
+      kd[3] != qd[2] || k_max > td[1] || (quest && !same(bd, md)) ||
+      (append && (nd[0] != qd[0] || nd[1] != kd[1] || nd[2] != qd[2]))) {
     return ffi::Error::InvalidArgument(
-        "paged_sparse_step_cpu: expected q [B,H,D], pool [NP,Hkv,S,D], table [B,W], qg [B,Hkv,D], "
-        "metadata [NP,Hkv,D] and k_max <= W");
+        "paged_sparse_step_cpu: expected q_attn / q_select [B,H,D], pool [NP,Hkv,S,D], table [B,W], "
+        "k_new [B,Hkv,D] or [0,Hkv,D], metadata [NP,Hkv,D] and k_max <= W");
   }
   const int32_t* table = page_table.typed_data();
   if (!TableInPool(table, td[0] * td[1], kd[0])) {
     return ffi::Error::InvalidArgument("paged_sparse_step_cpu: page table entry outside the pool");
   }
+  // The results alias the metadata inputs; should XLA have given them their own buffers, start from a copy.
+  float* a = meta_a_out->typed_data();
+  float* b = meta_b_out->typed_data();
+  if (a != meta_a.typed_data()) std::memcpy(a, meta_a.typed_data(), meta_a.size_bytes());
+  if (b != meta_b.typed_data()) std::memcpy(b, meta_b.typed_data(), meta_b.size_bytes());
   const Shape s{qd[0], qd[1], kd[1], td[1], kd[2], kd[3], reserved_first + k_max + reserved_last};
-  const Selection sel{qg.typed_data(), meta_a.typed_data(), meta_b.typed_data(), quest != 0, positions.typed_data(),
-                      budget.typed_data(), kd[1], kd[3], td[1], k_max, kd[2], reserved_first, reserved_last};
+  const Selection sel{nullptr, a, b, quest != 0, positions.typed_data(), budget.typed_data(), kd[1], kd[3], td[1],
+                      k_max, kd[2], reserved_first, reserved_last};
+  const float* keys = append ? k_new.typed_data() : nullptr;
   return WithKvDtype(k_pool, v_pool, [&](auto* k, auto* v) {
-    RunPagedSparseStep(pool, s, sel, table, q.typed_data(), k, v, scale, out->typed_data());
+    RunPagedSparseStep(pool, s, sel, table, q_attn.typed_data(), q_select.typed_data(), keys, a, b, k, v, scale,
+                       out->typed_data());
   });
 }
 
@@ -599,11 +662,12 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(SparrowScoreSelectCpu, ScoreSelectImpl,
 XLA_FFI_DEFINE_HANDLER_SYMBOL(SparrowPagedSparseStepCpu, PagedSparseStepImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()    // q
+                                  .Arg<ffi::Buffer<ffi::F32>>()    // q_attn
+                                  .Arg<ffi::Buffer<ffi::F32>>()    // q_select
                                   .Arg<ffi::AnyBuffer>()           // k_pool
                                   .Arg<ffi::AnyBuffer>()           // v_pool
                                   .Arg<ffi::Buffer<ffi::S32>>()    // page_table
-                                  .Arg<ffi::Buffer<ffi::F32>>()    // qg
+                                  .Arg<ffi::Buffer<ffi::F32>>()    // k_new
                                   .Arg<ffi::Buffer<ffi::F32>>()    // meta_a: centroid or kmin
                                   .Arg<ffi::Buffer<ffi::F32>>()    // meta_b: kmax (quest)
                                   .Arg<ffi::Buffer<ffi::S32>>()    // positions
@@ -613,7 +677,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(SparrowPagedSparseStepCpu, PagedSparseStepImpl,
                                   .Attr<int64_t>("reserved_first")
                                   .Attr<int64_t>("reserved_last")
                                   .Attr<int64_t>("quest")
-                                  .Ret<ffi::Buffer<ffi::F32>>());  // out
+                                  .Ret<ffi::Buffer<ffi::F32>>()    // out
+                                  .Ret<ffi::Buffer<ffi::F32>>()    // meta_a (aliased)
+                                  .Ret<ffi::Buffer<ffi::F32>>());  // meta_b (aliased)
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(SparrowSparseDecodeCpu, SparseDecodeImpl,
                               ffi::Ffi::Bind()
