@@ -42,6 +42,19 @@ def test_dense_kernel_equals_reference_dense_decode(cache, dtype):
 
 
 @needs_kernel
+@pytest.mark.parametrize("dim, groups", [(32, 1), (32, 2), (64, 4), (32, 3)])  # (32, 3): G at run time
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_kernel_with_head_dim_and_group_fixed_at_compile_time_equals_reference(dim, groups, dtype):
+    keys = jax.random.split(jax.random.PRNGKey(7), 3)
+    q = jax.random.normal(keys[0], (2, HKV * groups, dim), jnp.float32)
+    k, v = (jax.random.normal(key, (2, HKV, 5, S, dim), jnp.float32).astype(dtype) for key in keys[1:])
+    positions = jnp.array([6, 5 * S - 1], jnp.int32)  # mid page; every slot
+    tol = 1e-5 if dtype == jnp.float32 else 1e-2
+    np.testing.assert_allclose(dense_decode_cpu(q, k, v, positions), dense_decode(q, k, v, positions), atol=tol,
+                               rtol=tol)
+
+
+@needs_kernel
 def test_paged_kernel_through_a_page_table_equals_per_row_layout(cache):
     q, k, v, positions, table, k_pool, v_pool = cache
     np.testing.assert_array_equal(paged_decode_cpu(q, k_pool, v_pool, table, positions), dense_decode_cpu(q, k, v, positions))
