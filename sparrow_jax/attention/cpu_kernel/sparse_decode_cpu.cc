@@ -191,24 +191,29 @@ inline void AttendPageDispatch(const KV* kp, const KV* vp, const KV* k_ahead, co
   }
 }
 
-// One (row, KV head): the G query heads of the group over the selected pages, ``idx`` /
-// ``ok``: this pair's s.slots slots (nullptr: dense, every page up to the query's own).
-template <typename KV>
-void AttendGroup(const Shape& s, const Layout& layout, int64_t row, int64_t kv_head, const float* q, const KV* k,
-                 const KV* v, const int32_t* idx, const bool* ok, const int32_t* positions,
-                 float scale, float* out, std::vector<int32_t>& pages, std::vector<float>& work) {
-  const int64_t groups = s.heads / s.kv_heads, d = s.dim, ps = s.page_size;
+// The pages one (row, KV head) attends, ascending without duplicates: its slots' valid
+// in-range pages (``idx`` / ``ok``: s.slots slots), or (idx nullptr: dense) every page up to
+// the query's own.
+void SlotPages(const Shape& s, int64_t position, const int32_t* idx, const bool* ok, std::vector<int32_t>& pages) {
   pages.clear();
   if (idx == nullptr) {
-    const int64_t last = std::min<int64_t>(positions[row] / ps, s.pages - 1);
+    const int64_t last = std::min<int64_t>(position / s.page_size, s.pages - 1);
     for (int64_t p = 0; p <= last; ++p) pages.push_back(static_cast<int32_t>(p));
-  } else {
-    for (int64_t i = 0; i < s.slots; ++i) {
-      if (ok[i] && idx[i] >= 0 && idx[i] < s.pages) pages.push_back(idx[i]);
-    }
-    std::sort(pages.begin(), pages.end());  // front-to-back reads; duplicates become adjacent
-    pages.erase(std::unique(pages.begin(), pages.end()), pages.end());
+    return;
   }
+  for (int64_t i = 0; i < s.slots; ++i) {
+    if (ok[i] && idx[i] >= 0 && idx[i] < s.pages) pages.push_back(idx[i]);
+  }
+  std::sort(pages.begin(), pages.end());  // front-to-back reads; duplicates become adjacent
+  pages.erase(std::unique(pages.begin(), pages.end()), pages.end());
+}
+
+// One (row, KV head): the G query heads of the group over ``pages`` (ascending logical pages).
+template <typename KV>
+void AttendPages(const Shape& s, const Layout& layout, int64_t row, int64_t kv_head, const float* q, const KV* k,
+                 const KV* v, const std::vector<int32_t>& pages, const int32_t* positions, float scale, float* out,
+                 std::vector<float>& work) {
+  const int64_t groups = s.heads / s.kv_heads, d = s.dim, ps = s.page_size;
 
   // work: q group [G, D] (scaled) | acc [G, D] | scores [G, S] | m [G] | l [G]
   work.assign(groups * (2 * d + ps + 2), 0.0f);
@@ -250,6 +255,15 @@ void AttendGroup(const Shape& s, const Layout& layout, int64_t row, int64_t kv_h
     const float inv = l[g] > 0.0f ? 1.0f / l[g] : 0.0f;  // nothing visible: 0, not 0/0
     for (int64_t j = 0; j < d; ++j) out_group[g * d + j] = acc[g * d + j] * inv;
   }
+}
+
+// One (row, KV head) over the pages of its slots (idx / ok; nullptr: dense).
+template <typename KV>
+void AttendGroup(const Shape& s, const Layout& layout, int64_t row, int64_t kv_head, const float* q, const KV* k,
+                 const KV* v, const int32_t* idx, const bool* ok, const int32_t* positions, float scale, float* out,
+                 std::vector<int32_t>& pages, std::vector<float>& work) {
+  SlotPages(s, positions[row], idx, ok, pages);
+  AttendPages(s, layout, row, kv_head, q, k, v, pages, positions, scale, out, work);
 }
 
 inline void CpuRelax() {
@@ -396,6 +410,16 @@ ffi::Error PagedDecodeImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::A
   return Dispatch(pool, s, layout, q, k_pool, v_pool, page_idx.typed_data(), valid, positions, scale, out);
 }
 
+// A candidate page's 64-bit key, ordered as lax.top_k orders (score, page): the high half is
+// the score as a sortable unsigned (XLA's total float order: -0 < +0, NaN above +inf), the low
+// half the complement of the page index (lower page first among equal scores).
+inline uint64_t CandidateKey(float score, int64_t page) {
+  int32_t bits;
+  std::memcpy(&bits, &score, sizeof(bits));
+  const uint32_t ordered = static_cast<uint32_t>(bits ^ ((bits >> 31) & 0x7fffffff)) ^ 0x80000000u;
+  return (static_cast<uint64_t>(ordered) << 32) | (0xffffffffu - static_cast<uint32_t>(page));
+}
+
 // Block top-k page selection of one (row, KV head), the same pages in the same slot order as
 // sparrow_jax.attention.selection.select_pages (lax.top_k: larger score first, lower page
 // index first among equal scores): reserved first pages | top-k candidates | last pages.
@@ -408,16 +432,10 @@ void SelectGroup(const float* scores, int64_t num_pages, int64_t position, int64
     valid[slot] = i <= cur - reserved_last;
     idx[slot] = valid[slot] ? static_cast<int32_t>(i) : 0;
   }
-  // One 64-bit key per candidate page, ordered as lax.top_k orders (score, page): the high
-  // half is the score as a sortable unsigned (XLA's total float order: -0 < +0, NaN above
-  // +inf), the low half the complement of the page index (lower page first among equal
-  // scores). Integer keys computed once make the selection a plain nth_element.
+  // Integer keys (CandidateKey) computed once make the selection a plain nth_element.
   candidates.clear();
   for (int64_t p = reserved_first; p <= std::min(cur - reserved_last, num_pages - 1); ++p) {
-    int32_t bits;
-    std::memcpy(&bits, scores + p, sizeof(bits));
-    const uint32_t ordered = static_cast<uint32_t>(bits ^ ((bits >> 31) & 0x7fffffff)) ^ 0x80000000u;
-    candidates.push_back((static_cast<uint64_t>(ordered) << 32) | (0xffffffffu - static_cast<uint32_t>(p)));
+    candidates.push_back(CandidateKey(scores[p], p));
   }
   const int64_t available = static_cast<int64_t>(candidates.size());
   const int64_t take = std::max<int64_t>(0, std::min<int64_t>({budget, k_max, available}));
@@ -433,6 +451,39 @@ void SelectGroup(const float* scores, int64_t num_pages, int64_t position, int64
   for (int64_t i = 0; i < reserved_last; ++i, ++slot) {
     valid[slot] = cur - i >= 0;
     idx[slot] = valid[slot] ? static_cast<int32_t>(cur - i) : 0;
+  }
+}
+
+// The pages SelectGroup's slots select, as AttendPages reads them (ascending): the reserved
+// first pages, the ``take`` best candidates (the keys at or above the take-th largest) in page
+// order, the reserved last pages. The same set without the slots' score order, so the decode
+// step neither sorts the top-k by score nor sorts its pages back into page order.
+void SelectedPages(const float* scores, int64_t num_pages, int64_t position, int64_t budget, int64_t k_max,
+                   int64_t page_size, int64_t reserved_first, int64_t reserved_last, std::vector<uint64_t>& keys,
+                   std::vector<uint64_t>& scratch, std::vector<int32_t>& pages) {
+  const int64_t cur = position / page_size;
+  pages.clear();
+  for (int64_t i = 0; i < std::min(reserved_first, num_pages); ++i) {
+    if (i <= cur - reserved_last) pages.push_back(static_cast<int32_t>(i));
+  }
+  const int64_t first = reserved_first, last = std::min(cur - reserved_last, num_pages - 1);
+  keys.clear();
+  for (int64_t p = first; p <= last; ++p) keys.push_back(CandidateKey(scores[p], p));
+  const int64_t available = static_cast<int64_t>(keys.size());
+  const int64_t take = std::max<int64_t>(0, std::min<int64_t>({budget, k_max, available}));
+  if (take > 0) {
+    uint64_t threshold = 0;  // every candidate when all are taken (keys are distinct: the page is in them)
+    if (take < available) {
+      scratch.assign(keys.begin(), keys.end());
+      std::nth_element(scratch.begin(), scratch.begin() + take - 1, scratch.end(), std::greater<uint64_t>());
+      threshold = scratch[take - 1];
+    }
+    for (int64_t i = 0; i < available; ++i) {
+      if (keys[i] >= threshold) pages.push_back(static_cast<int32_t>(first + i));
+    }
+  }
+  for (int64_t i = reserved_last - 1; i >= 0; --i) {
+    if (cur - i >= 0 && cur - i < num_pages) pages.push_back(static_cast<int32_t>(cur - i));
   }
 }
 
@@ -498,19 +549,25 @@ struct Selection {
   int64_t kv_heads, dim, num_pages, k_max, page_size, reserved_first, reserved_last;
 };
 
-// Scores and selects the pages of one (row, KV head) into its slots idx / valid from its
-// group-mean query ``qg`` [D]. ``meta_at(page)``: the element offset of a logical page's metadata row.
+// Page scores [num_pages] of one (row, KV head) from its group-mean query ``qg`` [D] (pages
+// outside the candidates 0). ``meta_at(page)``: the element offset of a logical page's metadata row.
 template <typename MetaAt>
-void SelectPair(const Selection& sel, int64_t pair, const float* qg, MetaAt meta_at, int32_t* idx, bool* valid) {
-  thread_local std::vector<uint64_t> candidates;
+const float* ScorePair(const Selection& sel, int64_t position, const float* qg, MetaAt meta_at) {
   thread_local std::vector<float> scores;
-  const int64_t row = pair / sel.kv_heads;
-  const int64_t position = sel.positions[row];
   const int64_t last = std::min(position / sel.page_size - sel.reserved_last, sel.num_pages - 1);
   scores.assign(sel.num_pages, 0.0f);
   ScorePages(qg, sel.meta_a, sel.meta_b, sel.quest, sel.reserved_first, last, sel.dim, meta_at, scores.data());
-  SelectGroup(scores.data(), sel.num_pages, position, sel.budget[row], sel.k_max, sel.page_size, sel.reserved_first,
-              sel.reserved_last, idx, valid, candidates);
+  return scores.data();
+}
+
+// Scores and selects the pages of one (row, KV head) into its slots idx / valid.
+template <typename MetaAt>
+void SelectPair(const Selection& sel, int64_t pair, const float* qg, MetaAt meta_at, int32_t* idx, bool* valid) {
+  thread_local std::vector<uint64_t> candidates;
+  const int64_t row = pair / sel.kv_heads;
+  const int64_t position = sel.positions[row];
+  SelectGroup(ScorePair(sel, position, qg, meta_at), sel.num_pages, position, sel.budget[row], sel.k_max,
+              sel.page_size, sel.reserved_first, sel.reserved_last, idx, valid, candidates);
 }
 
 // Offset of logical page p's metadata row for (row, KV head) of ``pair``, through a page table
@@ -611,8 +668,7 @@ void RunPagedSparseStep(ffi::ThreadPool& pool, const Shape& s, const Selection& 
                         const KV* k, const KV* v, float scale, float* out) {
   const Layout layout{table};
   ParallelFor(pool, s.batch * s.kv_heads, [=](int64_t pair) {
-    thread_local std::vector<int32_t> idx;
-    thread_local std::vector<uint8_t> valid;  // bool slots (std::vector<bool> is a bitset)
+    thread_local std::vector<uint64_t> keys, scratch;
     thread_local std::vector<int32_t> pages;
     thread_local std::vector<float> work;
     thread_local std::vector<float> qg;
@@ -626,11 +682,9 @@ void RunPagedSparseStep(ffi::ThreadPool& pool, const Shape& s, const Selection& 
     }
     qg.resize(s.dim);
     GroupMeanQuery(q_select, s, row, head, qg.data());
-    idx.resize(s.slots);
-    valid.resize(s.slots);
-    bool* ok = reinterpret_cast<bool*>(valid.data());
-    SelectPair(sel, pair, qg.data(), meta_at, idx.data(), ok);
-    AttendGroup(s, layout, row, head, q_attn, k, v, idx.data(), ok, sel.positions, scale, out, pages, work);
+    SelectedPages(ScorePair(sel, position, qg.data(), meta_at), s.pages, position, sel.budget[row], sel.k_max,
+                  s.page_size, sel.reserved_first, sel.reserved_last, keys, scratch, pages);
+    AttendPages(s, layout, row, head, q_attn, k, v, pages, sel.positions, scale, out, work);
   });
 }
 
