@@ -86,12 +86,16 @@ def test_paged_decode_xla_fallback_equals_cpu_kernel(cache, schedule):
 @needs_kernel
 @pytest.mark.parametrize("selector", ["quest", "centroid"])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_fused_sparse_step_is_score_select_then_paged_decode_bit_for_bit(cache, selector, dtype):
+@pytest.mark.parametrize("tied", [False, True], ids=["distinct", "tied"])
+def test_fused_sparse_step_is_score_select_then_paged_decode_bit_for_bit(cache, selector, dtype, tied):
     q, _, _, positions, table, k_pool, v_pool = cache
     k_pool, v_pool = k_pool.astype(dtype), v_pool.astype(dtype)
     keys = jax.random.split(jax.random.PRNGKey(5), 2)
-    lo = jax.random.normal(keys[0], (B * P + 1, HKV, D))
-    meta = dict(centroid=lo, kmin=lo, kmax=lo + jax.random.uniform(keys[1], lo.shape))
+    # tied: every page has the same metadata, so every score ties and the lower pages win
+    lo = jax.random.normal(keys[0], (1 if tied else B * P + 1, HKV, D))
+    hi = lo + jax.random.uniform(keys[1], lo.shape)
+    lo, hi = (jnp.broadcast_to(x, (B * P + 1, HKV, D)) for x in (lo, hi))
+    meta = dict(centroid=lo, kmin=lo, kmax=hi)
     budget = jnp.array([1, 2, 3], jnp.int32)  # per row; k_max 3 is clipped by no row
     idx, valid = score_select_cpu(group_mean_query(q, HKV), meta["centroid"], meta["kmin"], meta["kmax"], positions,
                                   budget, 3, S, reserved_first=1, reserved_last=1, selector=selector, page_table=table)
