@@ -567,8 +567,9 @@ void ScorePages(const float* qg, const float* meta_a, const float* meta_b, bool 
   }
 }
 
-// What a decode step's page selection reads: qg [B, Hkv, D] group-mean queries, metadata rows
-// (meta_a: centroid or Quest's kmin, meta_b: kmax), positions and budget [B], the settings.
+// What a decode step's page selection reads: qg [B, Hkv, D] group-mean queries (ScoreSelect;
+// the sparse step takes its own), metadata rows (meta_a: centroid or Quest's kmin, meta_b:
+// kmax), positions and budget [B], the settings.
 struct Selection {
   const float* qg;
   const float* meta_a;
