@@ -7,7 +7,7 @@ from attention_refs import brute_force_sparse_decode
 
 from sparrow_jax.attention import dense_decode, dense_decode_dispatch, select_pages
 from sparrow_jax.attention.cpu_kernel import (cpu_kernel_available, dense_decode_cpu, paged_decode_cpu,
-                                             paged_sparse_step_cpu, score_select_cpu)
+                                             paged_sparse_step_cpu, score_select_cpu, select_pages_cpu)
 from sparrow_jax.rollout import SparsitySchedule
 from sparrow_jax.attention.selection import group_mean_query
 from sparrow_jax.rollout.page_pool import PoolLayer, append_and_decode, append_to_pool, paged_decode
@@ -52,6 +52,19 @@ def test_kernel_with_head_dim_and_group_fixed_at_compile_time_equals_reference(d
     tol = 1e-5 if dtype == jnp.float32 else 1e-2
     np.testing.assert_allclose(dense_decode_cpu(q, k, v, positions), dense_decode(q, k, v, positions), atol=tol,
                                rtol=tol)
+
+
+@needs_kernel
+def test_cpu_page_selection_equals_top_k_slot_for_slot_with_tied_scores():
+    # Scores from 3 values over 12 pages: most candidates tie, and top-k's order (larger score,
+    # then lower page) decides both which pages are taken and their slots.
+    scores = jax.random.randint(jax.random.PRNGKey(8), (4, HKV, 12), 0, 3).astype(jnp.float32)
+    positions = jnp.array([3, 20, 35, 47], jnp.int32)
+    budget = jnp.array([2, 3, 5, 9], jnp.int32)
+    got = select_pages_cpu(scores, positions, budget, 6, S, 1, 2)
+    want = select_pages(scores, positions[:, None], budget[:, None], 6, S, 1, 2)
+    for g, w in zip(got, want):
+        np.testing.assert_array_equal(g, w)
 
 
 @needs_kernel

@@ -87,7 +87,7 @@ def select_pages_decode(scores, positions, budget, k_max: int, page_size: int, r
                         reserved_last: int = 2, impl: str = "auto"):
     """``select_pages`` for one decode step: scores [B, Hkv, P], positions and budget [B].
 
-    With the CPU kernel as the implementation, a C++ nth_element selection replaces XLA's top-k (the
+    With the CPU kernel as the implementation, a C++ radix selection replaces XLA's top-k (the
     same slots for finite scores); otherwise :func:`select_pages`. Returns (page_idx, page_valid).
     """
     budget = jnp.broadcast_to(jnp.asarray(budget, jnp.int32), positions.shape)

@@ -21,10 +21,11 @@
 // sparse 1.4 -> 0.9 ms and dense 9.2 -> 6.3 ms against prefetching into L1 (NTA) and the
 // dense loop left to the hardware prefetchers.
 //
-// SparrowSelectPagesCpu does the decode step's block top-k page selection (an nth_element
-// split on precomputed integer keys instead of XLA's full top-k); SparrowScoreSelectCpu scores
-// the pages from their metadata (centroid or Quest bounds, per-row or through a page table)
-// and selects in the same pass, so the page scores never leave the core's cache.
+// SparrowSelectPagesCpu does the decode step's block top-k page selection (a radix select on
+// the scores' ordered bits, then a sort of the chosen only, instead of XLA's full top-k);
+// SparrowScoreSelectCpu scores the pages from their metadata (centroid or Quest bounds, per-row
+// or through a page table) and selects in the same pass, so the page scores never leave the
+// core's cache.
 // SparrowPagedSparseStepCpu is the rollout engine's sparse decode of one layer-step on a pool in
 // one thread-pool round: the step's key appended to its page's metadata, the group-mean query,
 // ScoreSelect, then PagedDecode.
@@ -87,8 +88,8 @@ struct Layout {
 // accumulators. Token-outer, head-inner, so each K / V row is read (and converted) once per
 // page for all G heads. kDim / kGroups > 0: head_dim / G fixed at compile time, so the loops
 // unroll and the G accumulators stay in registers for the page (with float K / V read in place,
-// 2.2-2.5x faster than with both at run time on the quickstart's shape, the same results bit for
-// bit); 0: runtime ``dim`` / ``groups``.
+// 2.2-2.5x faster than with both at run time in a one-thread microbenchmark of the quickstart's
+// shape, the same results bit for bit); 0: runtime ``dim`` / ``groups``.
 template <int kDim, int kGroups, typename KV>
 inline void AttendPage(const KV* kp, const KV* vp, const KV* k_ahead, const KV* v_ahead, int64_t visible,
                        int64_t runtime_groups, int64_t page_size, const float* qs, float* acc_io, float* score,
@@ -424,40 +425,6 @@ inline uint64_t CandidateKey(float score, int64_t page) {
   return (static_cast<uint64_t>(OrderedBits(score)) << 32) | (0xffffffffu - static_cast<uint32_t>(page));
 }
 
-// Block top-k page selection of one (row, KV head), the same pages in the same slot order as
-// sparrow_jax.attention.selection.select_pages (lax.top_k: larger score first, lower page
-// index first among equal scores): reserved first pages | top-k candidates | last pages.
-void SelectGroup(const float* scores, int64_t num_pages, int64_t position, int64_t budget, int64_t k_max,
-                 int64_t page_size, int64_t reserved_first, int64_t reserved_last, int32_t* idx, bool* valid,
-                 std::vector<uint64_t>& candidates) {
-  const int64_t cur = position / page_size;
-  int64_t slot = 0;
-  for (int64_t i = 0; i < reserved_first; ++i, ++slot) {
-    valid[slot] = i <= cur - reserved_last;
-    idx[slot] = valid[slot] ? static_cast<int32_t>(i) : 0;
-  }
-  // Integer keys (CandidateKey) computed once make the selection a plain nth_element.
-  candidates.clear();
-  for (int64_t p = reserved_first; p <= std::min(cur - reserved_last, num_pages - 1); ++p) {
-    candidates.push_back(CandidateKey(scores[p], p));
-  }
-  const int64_t available = static_cast<int64_t>(candidates.size());
-  const int64_t take = std::max<int64_t>(0, std::min<int64_t>({budget, k_max, available}));
-  // Linear-time split of the best `take`, then sort only those (slot order = top-k order).
-  if (take > 0 && take < available) {
-    std::nth_element(candidates.begin(), candidates.begin() + take - 1, candidates.end(), std::greater<uint64_t>());
-  }
-  std::sort(candidates.begin(), candidates.begin() + take, std::greater<uint64_t>());
-  for (int64_t j = 0; j < k_max; ++j, ++slot) {
-    valid[slot] = j < take;
-    idx[slot] = valid[slot] ? static_cast<int32_t>(0xffffffffu - static_cast<uint32_t>(candidates[j])) : 0;
-  }
-  for (int64_t i = 0; i < reserved_last; ++i, ++slot) {
-    valid[slot] = cur - i >= 0;
-    idx[slot] = valid[slot] ? static_cast<int32_t>(cur - i) : 0;
-  }
-}
-
 // Appends to ``pages`` the ``take`` (0 < take <= n) best of n candidates ``first_page`` +
 // [0, n), in page order, from their scores' OrderedBits ``ordered`` [n]: the pages whose
 // CandidateKey is at or above the take-th largest. A radix select, bit by bit from the top, of
@@ -494,10 +461,53 @@ void AppendTopPages(const uint32_t* ordered, int64_t n, int64_t take, int64_t fi
   }
 }
 
+// Appends to ``pages``, in page order, the best min(budget, k_max) candidates of one (row, KV
+// head) at position ``position``: pages [reserved_first, position / page_size - reserved_last]
+// by CandidateKey (AppendTopPages). ``ordered``: scratch.
+void AppendTopCandidates(const float* scores, int64_t num_pages, int64_t position, int64_t budget, int64_t k_max,
+                         int64_t page_size, int64_t reserved_first, int64_t reserved_last,
+                         std::vector<uint32_t>& ordered, std::vector<int32_t>& pages) {
+  const int64_t first = reserved_first, last = std::min(position / page_size - reserved_last, num_pages - 1);
+  ordered.clear();
+  for (int64_t p = first; p <= last; ++p) ordered.push_back(OrderedBits(scores[p]));
+  const int64_t available = static_cast<int64_t>(ordered.size());
+  const int64_t take = std::max<int64_t>(0, std::min<int64_t>({budget, k_max, available}));
+  if (take > 0) AppendTopPages(ordered.data(), available, take, first, pages);
+}
+
+// Block top-k page selection of one (row, KV head), the same pages in the same slot order as
+// sparrow_jax.attention.selection.select_pages (lax.top_k: larger score first, lower page
+// index first among equal scores): reserved first pages | top-k candidates | last pages.
+void SelectGroup(const float* scores, int64_t num_pages, int64_t position, int64_t budget, int64_t k_max,
+                 int64_t page_size, int64_t reserved_first, int64_t reserved_last, int32_t* idx, bool* valid,
+                 std::vector<uint32_t>& ordered, std::vector<int32_t>& top) {
+  const int64_t cur = position / page_size;
+  int64_t slot = 0;
+  for (int64_t i = 0; i < reserved_first; ++i, ++slot) {
+    valid[slot] = i <= cur - reserved_last;
+    idx[slot] = valid[slot] ? static_cast<int32_t>(i) : 0;
+  }
+  top.clear();
+  AppendTopCandidates(scores, num_pages, position, budget, k_max, page_size, reserved_first, reserved_last, ordered,
+                      top);
+  std::sort(top.begin(), top.end(), [scores](int32_t a, int32_t b) {  // slot order = top-k order
+    return CandidateKey(scores[a], a) > CandidateKey(scores[b], b);
+  });
+  const int64_t take = static_cast<int64_t>(top.size());
+  for (int64_t j = 0; j < k_max; ++j, ++slot) {
+    valid[slot] = j < take;
+    idx[slot] = valid[slot] ? top[j] : 0;
+  }
+  for (int64_t i = 0; i < reserved_last; ++i, ++slot) {
+    valid[slot] = cur - i >= 0;
+    idx[slot] = valid[slot] ? static_cast<int32_t>(cur - i) : 0;
+  }
+}
+
 // The pages SelectGroup's slots select, as AttendPages reads them (ascending): the reserved
-// first pages, the ``take`` best candidates in page order (AppendTopPages), the reserved last
-// pages. The same set without the slots' score order, so the decode step neither sorts the
-// top-k by score nor sorts its pages back into page order.
+// first pages, the best candidates in page order, the reserved last pages. The same set without
+// the slots' score order, so the decode step neither sorts the top-k by score nor sorts its
+// pages back into page order.
 void SelectedPages(const float* scores, int64_t num_pages, int64_t position, int64_t budget, int64_t k_max,
                    int64_t page_size, int64_t reserved_first, int64_t reserved_last, std::vector<uint32_t>& ordered,
                    std::vector<int32_t>& pages) {
@@ -506,12 +516,8 @@ void SelectedPages(const float* scores, int64_t num_pages, int64_t position, int
   for (int64_t i = 0; i < std::min(reserved_first, num_pages); ++i) {
     if (i <= cur - reserved_last) pages.push_back(static_cast<int32_t>(i));
   }
-  const int64_t first = reserved_first, last = std::min(cur - reserved_last, num_pages - 1);
-  ordered.clear();
-  for (int64_t p = first; p <= last; ++p) ordered.push_back(OrderedBits(scores[p]));
-  const int64_t available = static_cast<int64_t>(ordered.size());
-  const int64_t take = std::max<int64_t>(0, std::min<int64_t>({budget, k_max, available}));
-  if (take > 0) AppendTopPages(ordered.data(), available, take, first, pages);
+  AppendTopCandidates(scores, num_pages, position, budget, k_max, page_size, reserved_first, reserved_last, ordered,
+                      pages);
   for (int64_t i = reserved_last - 1; i >= 0; --i) {
     if (cur - i >= 0 && cur - i < num_pages) pages.push_back(static_cast<int32_t>(cur - i));
   }
@@ -531,10 +537,11 @@ ffi::Error SelectPagesImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> scores, f
   int32_t* idx = page_idx->typed_data();
   bool* valid = reinterpret_cast<bool*>(page_valid->typed_data());
   ParallelFor(pool, sd[0] * kv_heads, [=](int64_t pair) {
-    thread_local std::vector<uint64_t> candidates;
+    thread_local std::vector<uint32_t> ordered;
+    thread_local std::vector<int32_t> top;
     const int64_t row = pair / kv_heads;
     SelectGroup(sc + pair * num_pages, num_pages, pos[row], bud[row], k_max, page_size, reserved_first,
-                reserved_last, idx + pair * slots, valid + pair * slots, candidates);
+                reserved_last, idx + pair * slots, valid + pair * slots, ordered, top);
   });
   return ffi::Error::Success();
 }
@@ -594,11 +601,12 @@ const float* ScorePair(const Selection& sel, int64_t position, const float* qg, 
 // Scores and selects the pages of one (row, KV head) into its slots idx / valid.
 template <typename MetaAt>
 void SelectPair(const Selection& sel, int64_t pair, const float* qg, MetaAt meta_at, int32_t* idx, bool* valid) {
-  thread_local std::vector<uint64_t> candidates;
+  thread_local std::vector<uint32_t> ordered;
+  thread_local std::vector<int32_t> top;
   const int64_t row = pair / sel.kv_heads;
   const int64_t position = sel.positions[row];
   SelectGroup(ScorePair(sel, position, qg, meta_at), sel.num_pages, position, sel.budget[row], sel.k_max,
-              sel.page_size, sel.reserved_first, sel.reserved_last, idx, valid, candidates);
+              sel.page_size, sel.reserved_first, sel.reserved_last, idx, valid, ordered, top);
 }
 
 // Offset of logical page p's metadata row for (row, KV head) of ``pair``, through a page table
