@@ -36,6 +36,7 @@ def task_config() -> ConfigDict:
         seed=1234,  # generation seed of the built-in task
         key_len=3,  # built-in task: symbols per record key (also a warm-up cache knob)
         isolate_chain=False,  # built-in task: off-chain records point off the chain (a wrong turn never rejoins it)
+        preamble_tokens=0,  # pointer_trace: tokens of unrelated text before the records (more context, same records)
         reward_workers=2,  # RewardPool processes, for tasks that score in a pool (math)
         reward_timeout_s=10.0,  # per-answer verifier timeout in the pool (a timeout scores 0)
     ))

@@ -46,9 +46,10 @@ def main(spec):
         print("     hops  reward  solved")
         for hops, v in meta["accuracy_by_hops"].items():
             print(f"  {int(hops):>7d}  {v['reward']:.3f}   {v['solved']:.3f}")
-    refine = meta["train"].get("refine_steps", 0)
-    print(f"training: {meta['train']['steps']} steps" + (f" + {refine} refine steps ({meta['refine_seconds']}s wall)"
-                                                          if refine else "") + f", {meta['train_seconds']}s wall, "
+    later = "".join(f" + {meta['train'][f'{p}_steps']} {p} steps"
+                    + (f" ({meta[f'{p}_seconds']}s wall)" if f"{p}_seconds" in meta else "")
+                    for p in ("refine", "preamble") if meta["train"].get(f"{p}_steps"))
+    print(f"training: {meta['train']['steps']} steps{later}, {meta['train_seconds']}s wall, "
           f"{meta['train_cpu_seconds']}s CPU, final reference NLL {meta['final_loss']}")
     summary = dict(path=path, accuracy_by_length=meta["accuracy_by_length"], accuracy=meta["accuracy"],
                    accuracy_by_hops=meta.get("accuracy_by_hops", {}),

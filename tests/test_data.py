@@ -408,6 +408,29 @@ def test_pointer_trace_generates_long_traces_with_the_prompt_length_knob():
         pt.generate(1, seed=0, hops=0)
 
 
+def test_pointer_trace_preamble_adds_exactly_its_tokens_before_the_same_records():
+    import re
+
+    from sparrow_jax.data.tasks import pointer_trace as pt
+    from sparrow_jax.models.tokenizer import BuiltinTokenizer
+
+    tok = BuiltinTokenizer()
+    plain = pt.generate(3, seed=5, context_tokens=200, hops=12)
+    for n in (1, 2, 7, 150):
+        padded = pt.generate(3, seed=5, context_tokens=200, hops=12, preamble_tokens=n)
+        for ex, ref in zip(padded, plain):
+            head, tail = ex["prompt"][:n], ex["prompt"][n:]
+            assert tail == ref["prompt"] and ex["reference"] == ref["reference"] and ex["answer"] == ref["answer"]
+            assert re.fullmatch(r"[A-Z ]*\n", head) and not head.startswith(" ")   # uppercase words, then a newline
+            assert len(tok.encode(ex["prompt"])) - len(tok.encode(ref["prompt"])) == n == len(tok.encode(head))
+            assert ex["meta"]["prompt_tokens"] == len(tok.encode(ex["prompt"]))
+            assert pt.score(ex["reference"], ex) == 1.0
+    texts = [ex["prompt"][:150] for ex in pt.generate(3, seed=5, context_tokens=200, hops=12, preamble_tokens=150)]
+    assert len(set(texts)) == 3                                            # each example its own preamble
+    with pytest.raises(ValueError, match="preamble_tokens"):
+        pt.generate(1, seed=0, hops=4, preamble_tokens=-1)
+
+
 def test_pointer_trace_in_registry():
     from sparrow_jax.models.tokenizer import BuiltinTokenizer
 

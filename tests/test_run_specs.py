@@ -36,6 +36,8 @@ def test_a_field_no_code_reads_is_an_error():
     ("schedule.kind", "sparse", r"--config\.schedule\.kind='sparse'"),
     ("calibration.tau", 1.5, r"--config\.calibration\.tau"),
     ("distill.switch_topk", 1, r"--config\.distill\.switch_every"),
+    ("task.preamble_tokens", 16, r"--config\.task\.preamble_tokens=16: only task pointer_trace has a preamble"),
+    ("task.preamble_tokens", -1, r"--config\.task\.preamble_tokens=-1: must be >= 0"),
 ])
 def test_bad_values_name_the_field(field, value, match):
     cfg = get_config()

@@ -13,7 +13,7 @@ import numpy as np
 from sparrow_jax.io import atomic_write_json
 from sparrow_jax.io.plots import plot_p5_by_position
 from sparrow_jax.mismatch.calibrate import calibrate, spread_context_lengths, validate
-from sparrow_jax.run.context import RunContext, build_run_context, schedule_layout
+from sparrow_jax.run.context import RunContext, build_run_context, generator_args, schedule_layout
 from sparrow_jax.run.specs import RunSpec, TaskSpec
 
 
@@ -29,9 +29,7 @@ def task_prompts(t: TaskSpec, ctx: RunContext, n: int, seed: int,
     if t.dataset or ctx.task.generate is None:
         raise ValueError(f"calibration generates its prompts: task {t.name!r} needs a generator and "
                          f"task.dataset must be empty (got {t.dataset!r})")
-    examples = [ctx.task.generate(1, seed * 100_003 + i, context_tokens=c, hops=t.hops,
-                                  distractor_frac=t.distractor_frac, key_len=t.key_len,
-                                  isolate_chain=t.isolate_chain)[0]
+    examples = [ctx.task.generate(1, seed * 100_003 + i, **generator_args(t, context_tokens=c))[0]
                 for i, c in enumerate(context_lengths(t, n, spread))]
     return examples, [ctx.encode(ex) for ex in examples]
 

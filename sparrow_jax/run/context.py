@@ -63,10 +63,16 @@ def build_examples(t: TaskSpec, task: Task) -> tuple[list[dict], list[dict]]:
         return rows[t.num_eval:], rows[:t.num_eval]
     if task.generate is None:
         raise ValueError(f"task {t.name!r} has no generator: set task.dataset to a local file")
-    rows = task.generate(t.num_train + t.num_eval, t.seed, context_tokens=t.context_tokens, hops=t.hops,
-                         distractor_frac=t.distractor_frac, key_len=t.key_len,
-                         isolate_chain=t.isolate_chain)
+    rows = task.generate(t.num_train + t.num_eval, t.seed, **generator_args(t))
     return rows[:t.num_train], rows[t.num_train:]
+
+
+def generator_args(t: TaskSpec, context_tokens: Optional[int] = None) -> dict:
+    """Keyword arguments of the built-in task's generator (``context_tokens`` overridable);
+    ``preamble_tokens`` only when set, since only pointer_trace's generator takes it."""
+    args = dict(context_tokens=t.context_tokens if context_tokens is None else context_tokens, hops=t.hops,
+                distractor_frac=t.distractor_frac, key_len=t.key_len, isolate_chain=t.isolate_chain)
+    return dict(args, preamble_tokens=t.preamble_tokens) if t.preamble_tokens else args
 
 
 def sampling_params(r: SamplingSpec, tokenizer) -> SamplingParams:

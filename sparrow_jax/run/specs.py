@@ -45,6 +45,7 @@ class TaskSpec:
     seed: int
     key_len: int
     isolate_chain: bool  # built-in task: off-chain records never point into the chain
+    preamble_tokens: int  # pointer_trace: tokens of unrelated text before the records
     reward_workers: int  # RewardPool processes (tasks that ask for a pool)
     reward_timeout_s: float  # per-answer verifier timeout in the pool
 
@@ -294,11 +295,11 @@ POSITIVE = ("steps", "checkpoint_every", "keep_checkpoints", "eval_k", "rollout.
             "distill.eval_samples", "distill.updates_per_step", "distill.rank", "calibration.num_prompts",
             "calibration.samples_per_prompt", "calibration.validate_prompts", "schedule.online.up_levels",
             "schedule.online.down_levels", "schedule.online.min_tokens", "schedule.online.levels_per_octave")
-NON_NEGATIVE = ("eval_every", "rollout.temperature", "rollout.top_k", "schedule.topk", "schedule.reserved_first",
-                "schedule.reserved_last", "train.learning_rate", "train.max_grad_norm", "train.clip_low",
-                "train.clip_high", "train.dual_clip", "train.tis_cap", "train.kl_coef", "train.entropy_coef",
-                "train.tis_mask_low", "train.tis_mask_high", "train.overlong_buffer", "train.overlong_penalty",
-                "train.dynamic_sampling_rounds", "train.max_nonfinite_steps",
+NON_NEGATIVE = ("eval_every", "task.preamble_tokens", "rollout.temperature", "rollout.top_k", "schedule.topk",
+                "schedule.reserved_first", "schedule.reserved_last", "train.learning_rate", "train.max_grad_norm",
+                "train.clip_low", "train.clip_high", "train.dual_clip", "train.tis_cap", "train.kl_coef",
+                "train.entropy_coef", "train.tis_mask_low", "train.tis_mask_high", "train.overlong_buffer",
+                "train.overlong_penalty", "train.dynamic_sampling_rounds", "train.max_nonfinite_steps",
                 "distill.learning_rate", "distill.kl_coef", "distill.tis_cap", "distill.switch_topk",
                 "distill.switch_every", "calibration.min_count", "schedule.online.margin", "schedule.online.z",
                 "schedule.online.min_topk", "schedule.online.max_topk")
@@ -328,6 +329,8 @@ def validate(spec: RunSpec) -> None:
     r, s, m = spec.rollout, spec.schedule, spec.model
     _require(0 < r.top_p <= 1, "rollout.top_p", r.top_p, "must be in (0, 1]")
     _require(r.group_size >= 2, "rollout.group_size", r.group_size, "must be >= 2 for group advantages")
+    _require(spec.task.preamble_tokens == 0 or spec.task.name == "pointer_trace", "task.preamble_tokens",
+             spec.task.preamble_tokens, f"only task pointer_trace has a preamble (task.name={spec.task.name!r})")
     _require(m.source != "hf" or bool(m.hf_dir), "model.hf_dir", m.hf_dir, "is required when model.source='hf'")
     _require(m.source != "warmup" or spec.tokenizer == "builtin", "tokenizer", spec.tokenizer,
              "the warm-up model is trained with the builtin tokenizer (model.source='warmup')")

@@ -103,6 +103,13 @@ class WarmupSettings:
       and long_trace's reference NLL was still falling fast there (0.57 -> 0.10 in its last 75
       steps); 300 refine steps at 1e-3 took it to 0.005 and the greedy reward at 104 hops from
       0.04 to 0.72.
+    preamble_steps, preamble_lr, preamble_batch_size: for a task with ``preamble_tokens`` (required
+      there, else 0): the warm-up of the same task without the preamble (all the settings above;
+      found shipped, cached or trained by its own key), then a run of its own like the refine one
+      on the task's rows with the preamble. Why a phase of its own: the rows grow past the
+      positions the model has seen (greedy 104-hop reward of long_trace's model 0.68 at 888-token
+      prompts, 0.00 at 1770), and the lookups it learned on short rows carry over; the curriculum
+      never sees a preamble.
     """
 
     steps: int = 800
@@ -124,13 +131,20 @@ class WarmupSettings:
     refine_steps: int = 0
     refine_lr: float = 1e-3
     refine_batch_size: int = 4
+    preamble_steps: int = 0
+    preamble_lr: float = 1e-3
+    preamble_batch_size: int = 4
 
     def __post_init__(self):
         for name in ("steps", "batch_size", "min_context", "train_hops", "queries_per_example", "max_train_context"):
             if int(getattr(self, name)) <= 0:
                 raise ValueError(f"warmup {name} must be positive, got {getattr(self, name)}")
-        if not self.lr > 0 or not self.refine_lr > 0:
-            raise ValueError(f"warmup lr and refine_lr must be positive, got {self.lr} and {self.refine_lr}")
+        if not self.lr > 0 or not self.refine_lr > 0 or not self.preamble_lr > 0:
+            raise ValueError(f"warmup lr, refine_lr and preamble_lr must be positive, got {self.lr}, {self.refine_lr} "
+                             f"and {self.preamble_lr}")
+        if int(self.preamble_steps) < 0 or int(self.preamble_batch_size) <= 0:
+            raise ValueError(f"warmup preamble_steps must be >= 0 and preamble_batch_size positive, got "
+                             f"{self.preamble_steps} and {self.preamble_batch_size}")
         if int(self.refine_steps) < 0 or int(self.refine_batch_size) <= 0:
             raise ValueError(f"warmup refine_steps must be >= 0 and refine_batch_size positive, got "
                              f"{self.refine_steps} and {self.refine_batch_size}")
@@ -163,13 +177,16 @@ def warmup_architecture(model: ModelSpec) -> Qwen3Config:
 
 
 def task_knobs(task: TaskSpec) -> dict[str, Any]:
-    """The task fields that change the warm-up data: name, context_tokens, hops, distractor_frac, key_len.
+    """The task fields that change the warm-up data: name, context_tokens, hops, distractor_frac,
+    key_len, and preamble_tokens when set (absent at 0: the keys of warm-ups without one stay).
 
     ``task.isolate_chain`` is not one: it changes only where off-chain records point, which no
     reference trace visits, so the warm-up trains the same lookups either way."""
     knobs = dict(name=str(task.name), context_tokens=int(task.context_tokens),
                  hops=int(task.hops), distractor_frac=float(task.distractor_frac),
                  key_len=int(task.key_len))
+    if int(task.preamble_tokens):
+        knobs["preamble_tokens"] = int(task.preamble_tokens)
     task = get_task(knobs["name"])
     if task.generate is None:
         raise ValueError(f"task.name={knobs['name']!r} has no generator; the warm-up needs a synthetic "
@@ -183,9 +200,10 @@ def generate_examples(knobs: dict[str, Any], n: int, seed: int, context_tokens: 
                       hops: "int | tuple[int, int] | None" = None) -> list[dict[str, Any]]:
     """``n`` task examples with the knobs (context length and hops overridable)."""
     task = get_task(knobs["name"])
+    preamble = dict(preamble_tokens=knobs["preamble_tokens"]) if knobs.get("preamble_tokens") else {}
     return task.generate(n, seed, context_tokens=int(context_tokens or knobs["context_tokens"]),
                          hops=knobs["hops"] if hops is None else hops,
-                         distractor_frac=knobs["distractor_frac"], key_len=knobs["key_len"])
+                         distractor_frac=knobs["distractor_frac"], key_len=knobs["key_len"], **preamble)
 
 
 def prompt_ids(example: dict[str, Any], task_name: str, tokenizer) -> list[int]:
@@ -208,9 +226,10 @@ def _reference_tokens(name: str, key_len: int, distractor_frac: float, hops: int
 
 
 def sequence_length(knobs: dict[str, Any], hops: int | None = None) -> int:
-    """Fixed padded training length: longest prompt + longest reference, rounded up to 32."""
+    """Fixed padded training length: longest prompt (preamble included) + longest reference, rounded up to 32."""
     k = knobs["key_len"]
-    longest = knobs["context_tokens"] + 2 * k + 2 + max_reference_tokens(knobs, hops)  # prompt may overshoot a record
+    prompt = knobs.get("preamble_tokens", 0) + knobs["context_tokens"] + 2 * k + 2  # may overshoot a record
+    longest = prompt + max_reference_tokens(knobs, hops)
     return -(-longest // 32) * 32
 
 
@@ -374,10 +393,16 @@ def sft_loss(config: Qwen3Config, params: Params, tokens: jax.Array, mask: jax.A
     return ref + prompt_weight * mean_nll(prompt_mask), ref
 
 
-def make_optimizer(settings: WarmupSettings, refine: bool = False) -> optax.GradientTransformation:
+def phase_steps_lr(settings: WarmupSettings, phase: str) -> tuple[int, float]:
+    """(steps, peak learning rate) of the ``main``, ``refine`` or ``preamble`` phase."""
+    return {"main": (settings.steps, settings.lr), "refine": (settings.refine_steps, settings.refine_lr),
+            "preamble": (settings.preamble_steps, settings.preamble_lr)}[phase]
+
+
+def make_optimizer(settings: WarmupSettings, phase: str = "main") -> optax.GradientTransformation:
     """AdamW with linear warm-up then cosine decay to 10% of the peak; global-norm clipping.
-    ``refine``: the refine phase's own run (``refine_steps`` steps peaking at ``refine_lr``)."""
-    steps, lr = (settings.refine_steps, settings.refine_lr) if refine else (settings.steps, settings.lr)
+    ``phase``: ``main``, or the ``refine`` / ``preamble`` phase's own run (its steps and peak)."""
+    steps, lr = phase_steps_lr(settings, phase)
     warm = max(1, int(settings.warmup_frac * steps))
     sched = optax.warmup_cosine_decay_schedule(0.0, lr, warm, max(steps, warm + 1), end_value=0.1 * lr)
     chain = [optax.clip_by_global_norm(settings.max_grad_norm)] if settings.max_grad_norm > 0 else []
@@ -463,9 +488,10 @@ def warmup_key(config: Qwen3Config, knobs: dict[str, Any], settings: WarmupSetti
     train = dataclasses.asdict(settings)
     if not train["curriculum"]:  # settings from before the field existed keep their cache key
         del train["curriculum"]
-    if not train["refine_steps"]:  # likewise without a refine phase
-        for name in ("refine_steps", "refine_lr", "refine_batch_size"):
-            del train[name]
+    for phase in ("refine", "preamble"):  # likewise without a refine or preamble phase
+        if not train[f"{phase}_steps"]:
+            for name in ("steps", "lr", "batch_size"):
+                del train[f"{phase}_{name}"]
     blob = json.dumps(dict(format=FORMAT, arch=dataclasses.asdict(config), task=knobs, train=train), sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
@@ -589,24 +615,27 @@ def _warmup(config: Qwen3Config, knobs: dict[str, Any], settings: WarmupSettings
                 print(f"[warmup] step {step} loss {float(loss):.4f} ({time.perf_counter() - t0:.0f}s wall, "
                       f"{time.process_time() - c0:.0f}s CPU)", flush=True)
 
-    if settings.refine_steps:  # a warm restart on the task's own rows on top of the main phase's model
-        base_path = _warmup(config, knobs, dataclasses.replace(settings, refine_steps=0), cache_dir, evals, progress,
-                            use_shipped)
+    continued = continued_warmup(knobs, settings)
+    if continued is not None:  # a run of its own on the task's rows on top of another warm-up's model
+        phase, base_knobs, base_settings = continued
+        base_path = _warmup(config, base_knobs, base_settings, cache_dir, evals, progress, use_shipped)
         base_meta = read_warmup_meta(base_path)
         params = load_hf(base_path)[1]
         losses += [tuple(v) for v in base_meta["loss_curve"]]
+        n_steps, lr = phase_steps_lr(settings, phase)
+        rows = dataclasses.replace(settings, final_batch_size=getattr(settings, f"{phase}_batch_size"))
         if progress:
-            print(f"[warmup] refine: {settings.refine_steps} x {settings.refine_batch_size} task rows of {final_len} "
-                  f"tokens (peak lr {settings.refine_lr:g}) on {base_path} -> {path}", flush=True)
-        refine_rows = dataclasses.replace(settings, final_batch_size=settings.refine_batch_size)
-        optimizer = make_optimizer(settings, refine=True)
+            print(f"[warmup] {phase}: {n_steps} x {rows.final_batch_size} task rows of {final_len} tokens (peak lr "
+                  f"{lr:g}) on {base_path} -> {path}", flush=True)
+        optimizer = make_optimizer(settings, phase)
         train_step = make_train_step(config, optimizer, settings.prompt_weight)
         opt_state = optimizer.init(params)
-        for step in range(settings.steps, settings.steps + settings.refine_steps):  # rows past the main phase's
-            tokens, mask, prompt_mask = final_batch(knobs, refine_rows, step, tok, final_len)
+        first = base_settings.steps + base_settings.refine_steps  # rows past the base's
+        for step in range(first, first + n_steps):
+            tokens, mask, prompt_mask = final_batch(knobs, rows, step, tok, final_len)
             params, opt_state, loss = train_step(params, opt_state, jnp.asarray(tokens), jnp.asarray(mask),
                                                  jnp.asarray(prompt_mask))
-            log_loss(step, loss, step == settings.steps + settings.refine_steps - 1)
+            log_loss(step, loss, step == first + n_steps - 1)
         seq_lens = base_meta["seq_lens"]
     else:
         params, seq_lens = _main_phase(config, knobs, settings, tok, final_len, log_loss, path, progress)
@@ -641,13 +670,30 @@ def _warmup(config: Qwen3Config, knobs: dict[str, Any], settings: WarmupSettings
                 accuracy=acc.get(knobs["context_tokens"], float(np.mean(list(acc.values())))),
                 eval_prompts=evals["prompts"])
     if base_meta is not None:
-        meta.update(base_key=base_meta["key"], refine_seconds=round(train_s, 1),
+        meta.update(base_key=base_meta["key"], **{f"{continued[0]}_seconds": round(train_s, 1)},
                     base_accuracy_by_hops=base_meta.get("accuracy_by_hops", {}))
     with open(os.path.join(tmp, META_FILE), "w") as f:
         json.dump(meta, f, indent=1)
     shutil.rmtree(path, ignore_errors=True)  # an incomplete leftover under the final name
     os.replace(tmp, path)
     return path
+
+
+def continued_warmup(knobs: dict[str, Any], settings: WarmupSettings
+                     ) -> tuple[str, dict[str, Any], WarmupSettings] | None:
+    """(phase, task knobs, settings) of the warm-up the last phase continues, None from scratch:
+    ``preamble`` continues the same task without its preamble, ``refine`` the main phase."""
+    if knobs.get("preamble_tokens"):
+        if not settings.preamble_steps:
+            raise ValueError(f"task.preamble_tokens={knobs['preamble_tokens']} needs model.warmup.preamble_steps > 0: "
+                             f"the preamble is learned in a phase of its own, on top of the warm-up without it")
+        return "preamble", {k: v for k, v in knobs.items() if k != "preamble_tokens"}, \
+            dataclasses.replace(settings, preamble_steps=0)
+    if settings.preamble_steps:
+        raise ValueError(f"model.warmup.preamble_steps={settings.preamble_steps} needs task.preamble_tokens > 0")
+    if settings.refine_steps:
+        return "refine", knobs, dataclasses.replace(settings, refine_steps=0)
+    return None
 
 
 def _main_phase(config: Qwen3Config, knobs: dict[str, Any], settings: WarmupSettings, tok, final_len: int,

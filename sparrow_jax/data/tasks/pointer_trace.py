@@ -25,6 +25,11 @@ Records other than the chain's point at random keys; a share (``distractor_frac`
 keys are one symbol away from a chain key (see :mod:`sparrow_jax.data.tasks.pointer_chase`,
 whose generator this task reuses).
 
+``preamble_tokens`` puts a block of unrelated text (uppercase words, never a record) before the
+records: more context at the same number of records, as when the data sits after a long
+document. Every line still needs one record, now past the preamble; a sparse actor that keeps
+the records' pages and skips the preamble's reads a smaller share of its context.
+
 Reward (:func:`score`), in [0, 1]: the share of the trace's steps done right before the first
 wrong one, the ``answer:`` line being the last step (it counts only after every record line is
 right). A model that gets the first few hops right earns a signal before it can finish a chain,
@@ -36,6 +41,8 @@ from __future__ import annotations
 import re
 from typing import TYPE_CHECKING, Any, Sequence
 
+import numpy as np
+
 from sparrow_jax.data.tasks import pointer_chase
 from sparrow_jax.data.tasks.pointer_chase import DEFAULT_ALPHABET, DEFAULT_EOS_MARKERS, extract_answer
 
@@ -43,6 +50,7 @@ if TYPE_CHECKING:
     from sparrow_jax.models.tokenizer import Tokenizer
 
 NAME = "pointer_trace"
+_PREAMBLE_STREAM = 0x70726561  # rng stream of the preamble, apart from pointer_chase's draws
 TERMINAL = "##"  # the value of the chain's last record; never a key (keys are letters and digits)
 
 
@@ -56,9 +64,27 @@ def reference(chain: Sequence[str]) -> str:
     return "\n".join(lines) + f"\nanswer: {chain[-1]}"
 
 
+PREAMBLE_LETTERS = "ABCDEFGHIJKLMNOPQRSTUVWXYZ"  # never in a key ([a-z0-9]) nor in a word token
+
+
+def preamble(n_tokens: int, rng: np.random.Generator) -> str:
+    """Exactly ``n_tokens`` builtin-tokenizer tokens (one per character): uppercase words of 2-6
+    letters separated by spaces, ending in a newline ("" for 0)."""
+    if n_tokens <= 0:
+        return ""
+    words, length = [], 0
+    while length < n_tokens - 1:
+        word = "".join(rng.choice(list(PREAMBLE_LETTERS), size=int(rng.integers(2, 7))))
+        words.append(word)
+        length += len(word) + 1
+    text = " ".join(words)[:n_tokens - 1].rstrip(" ")  # no space before the newline: pad with a letter
+    return text.ljust(n_tokens - 1, PREAMBLE_LETTERS[0]) + "\n"
+
+
 def generate(n: int, seed: int, context_tokens: int = 1024, hops: "int | tuple[int, int]" = 96,
              distractor_frac: float = 0.5, key_len: int = 2, alphabet: str = DEFAULT_ALPHABET,
-             tokenizer: "Tokenizer | None" = None, isolate_chain: bool = False) -> list[dict[str, Any]]:
+             tokenizer: "Tokenizer | None" = None, isolate_chain: bool = False,
+             preamble_tokens: int = 0) -> list[dict[str, Any]]:
     """``n`` examples: dicts with ``prompt``, ``reference`` (``hops + 1`` record lines + the
     answer line), ``answer`` (the chain's last key) and ``meta`` (pointer_chase's, ``task`` set
     to ``"pointer_trace"``).
@@ -70,20 +96,25 @@ def generate(n: int, seed: int, context_tokens: int = 1024, hops: "int | tuple[i
     count or an inclusive ``(lo, hi)`` range. Example ``i`` depends only on ``(seed, i)``.
     ``isolate_chain``: records off the chain point only off the chain, so a trace that takes a
     wrong record walks among them (and may loop) instead of skipping ahead to the terminal
-    record and ending the trace.
+    record and ending the trace. ``preamble_tokens``: that many tokens of unrelated text before
+    the records (:func:`preamble`); the records, chain and reference are those of the same
+    ``(seed, i)`` without it.
     """
+    if int(preamble_tokens) < 0:
+        raise ValueError(f"pointer_trace: preamble_tokens must be >= 0, got {preamble_tokens}")
     out = pointer_chase.generate(n, seed, context_tokens=context_tokens, hops=hops,
                                  distractor_frac=distractor_frac, key_len=key_len, alphabet=alphabet,
                                  tokenizer=tokenizer, isolate_chain=isolate_chain)
     from sparrow_jax.models.tokenizer import BuiltinTokenizer
 
     tokenizer = tokenizer or BuiltinTokenizer()
-    for ex in out:
+    for i, ex in enumerate(out):
         chain, meta = ex["meta"]["chain"], ex["meta"]
-        records_line = ex["prompt"].split("\n", 1)[0]
+        records_line = ex["prompt"].split("\n", 1)[0]  # pointer_chase's prompt: records, then the query
         last = chain[-1]  # a random-value record in pointer_chase: here the terminal one
         records_line = re.sub(rf"(^|;){last}=[^;]*;", rf"\g<1>{last}={TERMINAL};", records_line, count=1)
-        ex["prompt"] = records_line + "\n" + query_line(chain[0])
+        text = preamble(int(preamble_tokens), np.random.default_rng([seed, i, _PREAMBLE_STREAM]))
+        ex["prompt"] = text + records_line + "\n" + query_line(chain[0])
         ex["reference"] = reference(chain)
         meta.update(task=NAME, trace_lines=len(chain), prompt_tokens=len(tokenizer.encode(ex["prompt"])))
     return out
@@ -131,4 +162,5 @@ def score(completion: str, example: dict[str, Any]) -> float:
     return (prefix + float(exact and prefix == hops)) / (hops + 1)
 
 
-__all__ = ["NAME", "TERMINAL", "generate", "reference", "query_line", "hop_lines", "correct_prefix", "score"]
+__all__ = ["NAME", "TERMINAL", "PREAMBLE_LETTERS", "preamble", "generate", "reference", "query_line", "hop_lines",
+           "correct_prefix", "score"]
