@@ -1,7 +1,8 @@
 """Long generated traces on a 2-layer tiny Qwen3 (both layers sparse): task pointer_trace, a
 888-token prompt of records and a completion writing every hop of a 104-hop chain (up to 704
 generated tokens, ~1.6K per rollout), each line needing one record from anywhere in the prompt.
-configs/quickstart.py is this config with RL cycling 16 training prompts for 24 steps.
+configs/quickstart.py is this config with RL cycling 16 training prompts for 24 steps;
+configs/long_preamble.py puts an 888-token preamble before its records.
 
     python -m experiments.warmup --config configs/long_trace.py      # the warm-up alone (+ accuracy by hops)
     python -m experiments.calibrate --config configs/long_trace.py   # budget x bin -> p5 -> schedule

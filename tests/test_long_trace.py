@@ -254,7 +254,7 @@ def _trained_with(train: dict) -> dict:
     return train
 
 
-@pytest.mark.parametrize("name", ["long_trace"])
+@pytest.mark.parametrize("name", ["long_trace", "long_preamble"])
 def test_shipped_checkpoint_is_the_configs_warmup_and_looks_up_values(name):
     """The config's warm-up ships: found by its settings' hash, trained with exactly the config's
     settings on top of a shipped base (long_trace: its main phase; long_preamble: long_trace's
