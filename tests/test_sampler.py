@@ -9,6 +9,7 @@ import pytest
 from hf_utils import make_hf_model
 from sparrow_jax.models import decode_step, dense_logits, init_caches, init_params, load_hf, prefill, tiny_config
 from sparrow_jax.rollout import SamplingParams, SparsitySchedule, generate, sample_logits
+from sparrow_jax.rollout.sampler import first_argmax
 
 CONFIG = tiny_config(num_hidden_layers=2)
 PARAMS = init_params(CONFIG, seed=5)
@@ -157,3 +158,15 @@ def test_sample_logits_truncation_and_logprob_semantics():
     assert abs(float(logp[0]) - np.log(p[int(tok[0])] / p.sum())) < 1e-5
     with pytest.raises(ValueError, match="top_p"):
         SamplingParams(top_p=0.0)
+
+
+def test_first_argmax_matches_argmax_with_ties_and_masked_entries():
+    rng = np.random.RandomState(0)
+    x = rng.randint(0, 4, size=(64, 111)).astype(np.float32)  # many ties: the first index must win
+    x[rng.rand(64, 111) < 0.3] = -np.inf  # top-k / top-p masking
+    x[5] = -np.inf  # a row with nothing left
+    x[6, :] = 2.0
+    got = np.asarray(first_argmax(jnp.asarray(x)))
+    np.testing.assert_array_equal(got, np.argmax(x, axis=-1))
+    noise = jax.random.gumbel(jax.random.PRNGKey(1), (64, 111))
+    np.testing.assert_array_equal(np.asarray(first_argmax(noise + x)), np.asarray(jnp.argmax(noise + x, -1)))

@@ -53,13 +53,20 @@ class RMSNorm(nnx.Module):
         return (self.weight[...].astype(jnp.float32) * xf).astype(x.dtype)
 
 
-def rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
-    """Rotary embedding, HF "rotate_half" layout. x: [B, T, N, D]; positions: [B, T]."""
-    d = x.shape[-1]
-    inv_freq = 1.0 / (theta ** (jnp.arange(0, d, 2, dtype=jnp.float32) / d))
+def rotary(positions: jax.Array, head_dim: int, theta: float) -> tuple[jax.Array, jax.Array]:
+    """(cos, sin) of the rotary angles, each [B, T, 1, D] for positions [B, T]: computed once per
+    forward and shared by every layer's q and k (XLA would otherwise evaluate the transcendentals
+    once per consumer: four times per layer, several percent of a tiny model's CPU decode step)."""
+    inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
     angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, D/2]
-    cos = jnp.cos(jnp.concatenate([angles, angles], -1))[:, :, None]
-    sin = jnp.sin(jnp.concatenate([angles, angles], -1))[:, :, None]
+    cos, sin = jnp.cos(angles), jnp.sin(angles)  # the halves repeat: evaluated once, then concatenated
+    return jnp.concatenate([cos, cos], -1)[:, :, None], jnp.concatenate([sin, sin], -1)[:, :, None]
+
+
+def rope(x: jax.Array, cos_sin: tuple[jax.Array, jax.Array]) -> jax.Array:
+    """Rotary embedding, HF "rotate_half" layout. x: [B, T, N, D]; cos_sin: :func:`rotary`."""
+    cos, sin = cos_sin
+    d = x.shape[-1]
     xf = x.astype(jnp.float32)
     rotated = jnp.concatenate([-xf[..., d // 2:], xf[..., : d // 2]], -1)
     return (xf * cos + rotated * sin).astype(x.dtype)
@@ -76,13 +83,13 @@ class Attention(nnx.Module):
         self.k_norm = RMSNorm(d, config)
         self.config = config
 
-    def __call__(self, layer: int, x, positions, attention: AttentionFn):
+    def __call__(self, layer: int, x, cos_sin, attention: AttentionFn):
         c = self.config
         b, t, _ = x.shape
         q = self.q_norm(self.q_proj(x).reshape(b, t, c.num_attention_heads, c.head_dim))
         k = self.k_norm(self.k_proj(x).reshape(b, t, c.num_key_value_heads, c.head_dim))
         v = self.v_proj(x).reshape(b, t, c.num_key_value_heads, c.head_dim)
-        q, k = rope(q, positions, c.rope_theta), rope(k, positions, c.rope_theta)
+        q, k = rope(q, cos_sin), rope(k, cos_sin)
         out = attention(layer, q, k, v)
         return self.o_proj(out.reshape(b, t, -1))
 
@@ -105,8 +112,8 @@ class DecoderLayer(nnx.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config)
         self.mlp = MLP(config, rngs)
 
-    def __call__(self, layer, x, positions, attention):
-        x = x + self.self_attn(layer, self.input_layernorm(x), positions, attention)
+    def __call__(self, layer, x, cos_sin, attention):
+        x = x + self.self_attn(layer, self.input_layernorm(x), cos_sin, attention)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -126,11 +133,12 @@ class Qwen3(nnx.Module):
                  remat: bool = False) -> jax.Array:
         """tokens, positions: int32 [B, T] -> final-norm hidden states [B, T, hidden]."""
         x = self.embed_tokens[...].astype(self.config.compute_dtype)[tokens]
+        cos_sin = rotary(positions, self.config.head_dim, self.config.rope_theta)
         for i, layer in enumerate(self.layers):
             if remat:  # recompute activations in the backward pass: long sequences fit
-                x = jax.checkpoint(lambda x_, p_, l_=layer, i_=i: l_(i_, x_, p_, attention))(x, positions)
+                x = jax.checkpoint(lambda x_, r_, l_=layer, i_=i: l_(i_, x_, r_, attention))(x, cos_sin)
             else:
-                x = layer(i, x, positions, attention)
+                x = layer(i, x, cos_sin, attention)
         return self.norm(x)
 
     def unembedding(self) -> jax.Array:

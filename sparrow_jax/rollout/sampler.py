@@ -138,6 +138,16 @@ def _categorical(key: jax.Array, logits: jax.Array) -> jax.Array:
     return jax.random.categorical(key, logits, axis=-1)
 
 
+def first_argmax(x: jax.Array) -> jax.Array:
+    """``jnp.argmax(x, axis=-1)`` (the first index of the maximum) for x [B, V] without NaN, as
+    a max and a min-index reduction: XLA:CPU runs argmax's paired (value, index) reduce element
+    by element, ~4x slower than these two vectorised ones at a decode step's [16, 111]."""
+    vocab = x.shape[-1]
+    at_max = x == jnp.max(x, axis=-1, keepdims=True)
+    first = jnp.min(jnp.where(at_max, jnp.arange(vocab, dtype=jnp.int32), vocab), axis=-1)
+    return jnp.minimum(first, vocab - 1)  # a NaN row matches nothing: its last index, not out of range
+
+
 def sample_logits(logits: jax.Array, key: Optional[jax.Array], sampling: SamplingParams,
                   noise: Optional[jax.Array] = None):
     """Draw one token per row. logits float32 [B, V] -> (tokens int32 [B], logprobs float32 [B]).
@@ -152,7 +162,7 @@ def sample_logits(logits: jax.Array, key: Optional[jax.Array], sampling: Samplin
     model log-prob of the argmax token.
     """
     if sampling.temperature == 0.0:
-        tok = jnp.argmax(logits, axis=-1)
+        tok = first_argmax(logits)
         logp = jax.nn.log_softmax(logits, axis=-1)
         return tok.astype(jnp.int32), jnp.take_along_axis(logp, tok[:, None], -1)[:, 0]
     scaled = logits / sampling.temperature
@@ -168,7 +178,7 @@ def sample_logits(logits: jax.Array, key: Optional[jax.Array], sampling: Samplin
         keep = jnp.zeros_like(keep_sorted).at[jnp.arange(scaled.shape[0])[:, None], order].set(keep_sorted)
         scaled = jnp.where(keep, scaled, -jnp.inf)
     logp = jax.nn.log_softmax(scaled, axis=-1)
-    tok = _categorical(key, scaled) if noise is None else jnp.argmax(noise + scaled, axis=-1)
+    tok = _categorical(key, scaled) if noise is None else first_argmax(noise + scaled)
     return tok.astype(jnp.int32), jnp.take_along_axis(logp, tok[:, None], -1)[:, 0]
 
 
