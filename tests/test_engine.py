@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from sparrow_jax.models import init_params, tiny_config
-from sparrow_jax.rollout import SamplingParams, SparsitySchedule, generate, generate_continuous, sampler
+from sparrow_jax.rollout import SamplingParams, SparsitySchedule, engine, generate, generate_continuous, sampler
 from sparrow_jax.rollout.page_pool import PageAllocator, init_pool
 
 CONFIG = tiny_config(num_hidden_layers=2)
@@ -72,6 +72,20 @@ def test_quest_pages_and_pool_metadata_follow_the_selector():
     present = {sel: tuple(x is not None for x in init_pool(1, 4, 2, 4, 8, jnp.float32, sel)[0][2:])
                for sel in (None, "centroid", "quest")}
     assert present == {None: (False, False, False), "centroid": (True, False, False), "quest": (False, True, True)}
+
+
+def test_tied_embedding_reaches_the_loop_row_major_and_samples_the_same():
+    """On CPU a tied embedding reaches the decode loop as its own row-major [hidden, V] copy
+    (row_major_unembedding); the engine still samples what the fixed sampler samples."""
+    tied = tiny_config(num_hidden_layers=2, tie_word_embeddings=True)
+    params = init_params(tied, seed=5)
+    np.testing.assert_array_equal(engine.row_major_unembedding(tied, params), params["embed_tokens"].T)
+    assert engine.row_major_unembedding(CONFIG, PARAMS) is None  # untied: the head is row-major already
+    sampling = SamplingParams(max_new_tokens=24, temperature=1.0, stop_ids=(7, 11, 19))
+    prompts, key = _requests(1), jax.random.PRNGKey(1)
+    fixed = generate(tied, params, prompts, key, sampling, schedule=SPARSE)
+    new = generate_continuous(tied, params, prompts, key, sampling, schedule=SPARSE, **ENGINE)
+    _assert_same_rollout(fixed, new, 1e-5)
 
 
 @pytest.mark.parametrize("noise_bytes", [1, 3 * 5 * 4 * CONFIG.vocab_size])

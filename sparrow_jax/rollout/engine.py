@@ -44,15 +44,11 @@ from sparrow_jax.rollout.schedule import SparsitySchedule, k_max_bucket
 
 
 def pooled_decode_step(config: Qwen3Config, params: Params, tokens: jax.Array, positions: jax.Array,
-                       pools: Sequence[PoolLayer], page_table: jax.Array, unembed: jax.Array, schedule=None,
-                       k_max: int = 0, impl: str = "auto"):
+                       pools: Sequence[PoolLayer], page_table: jax.Array, schedule=None, k_max: int = 0,
+                       impl: str = "auto", unembed: Optional[jax.Array] = None):
     """:func:`sparrow_jax.models.forward.decode_step` on a page pool. tokens, positions int32 [B],
-    page_table int32 [B, W], unembed [hidden, V] (:func:`~sparrow_jax.models.forward.unembedding` in
-    the compute dtype) -> (logits float32 [B, V], new pools).
-
-    ``unembed`` comes in as its own row-major array: a tied embedding read transposed inside the
-    loop made the output projection the slowest matmul of the quickstart's decode step (~20 us
-    of ~110 us of matmuls at 16 rows), with the same logits."""
+    page_table int32 [B, W] -> (logits float32 [B, V], new pools). ``unembed``: the output
+    projection as its own [hidden, V] array (:func:`row_major_unembedding`), else the model's."""
     model = bind(config, params)
     new_pools = list(pools)
     dense_layers = set(schedule.dense_layers) if schedule is not None else set()
@@ -65,8 +61,23 @@ def pooled_decode_step(config: Qwen3Config, params: Params, tokens: jax.Array, p
         return out[:, None]
 
     hidden = model(tokens[:, None], positions[:, None], attention)
+    if unembed is None:
+        return model.logits(hidden[:, 0]), tuple(new_pools)
     logits = jnp.dot(hidden[:, 0].astype(config.compute_dtype), unembed, preferred_element_type=jnp.float32)
     return logits, tuple(new_pools)
+
+
+def row_major_unembedding(config: Qwen3Config, params: Params) -> Optional[jax.Array]:
+    """On XLA:CPU, a tied embedding transposed into its own row-major [hidden, V] array (compute
+    dtype) for the decode loop, else None (the model's own output projection).
+
+    Read transposed inside the loop, the tied embedding made the output projection the slowest
+    matmul of the quickstart's CPU decode step (~20 us of ~130 us of matmuls at 16 rows); the copy
+    costs one embedding's memory for the rollout. Untied heads are row-major already, and GPU /
+    TPU matmuls read either layout at the same speed."""
+    if not config.tie_word_embeddings or jax.default_backend() != "cpu":
+        return None
+    return unembedding(config, params).astype(config.compute_dtype)
 
 
 class _SegmentState(NamedTuple):
@@ -82,8 +93,8 @@ class _SegmentState(NamedTuple):
 
 @functools.partial(jax.jit, static_argnames=("config", "k_max", "impl", "sampling", "ahead"),
                    donate_argnames=("state",))
-def _decode_segment(state: _SegmentState, params: Params, unembed: jax.Array, page_table: jax.Array, keys: jax.Array,
-                    request: jax.Array, end_pos: jax.Array, step_limit: jax.Array, exit_after: jax.Array,
+def _decode_segment(state: _SegmentState, params: Params, unembed: Optional[jax.Array], page_table: jax.Array,
+                    keys: jax.Array, request: jax.Array, end_pos: jax.Array, step_limit: jax.Array, exit_after: jax.Array,
                     schedule: Optional[SparsitySchedule], *, config: Qwen3Config, k_max: int, impl: str,
                     sampling: SamplingParams, ahead: int) -> _SegmentState:
     """Decode until ``step_limit`` steps, every slot done, or ``exit_after`` slots newly done.
@@ -102,8 +113,8 @@ def _decode_segment(state: _SegmentState, params: Params, unembed: jax.Array, pa
 
     def body(carry):
         s, noise = carry
-        logits, pools = pooled_decode_step(config, params, s.tok, s.pos, s.pools, page_table, unembed, schedule,
-                                           k_max, impl)
+        logits, pools = pooled_decode_step(config, params, s.tok, s.pos, s.pools, page_table, schedule, k_max, impl,
+                                           unembed)
         if sampling.temperature == 0.0:
             tok, logp = sample_logits(logits, keys, sampling)
         else:
@@ -178,7 +189,7 @@ def generate_continuous(config: Qwen3Config, params: Params, prompts: Sequence[S
         raise ValueError(f"max_new_per_request must hold {num} values in [1, {max_new}], got shape {caps.shape}")
     end_pos = np.minimum(prompt_lens + caps - 1, cap - 1).astype(np.int32)
     keys = np.asarray(request_keys(key, num, first_request))
-    unembed = unembedding(config, params).astype(config.compute_dtype)
+    unembed = row_major_unembedding(config, params)
     with_minmax = schedule is not None and schedule.selector == "quest"
 
     groups: dict[tuple, _Group] = {}
