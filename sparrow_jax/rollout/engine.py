@@ -94,9 +94,9 @@ class _SegmentState(NamedTuple):
 @functools.partial(jax.jit, static_argnames=("config", "k_max", "impl", "sampling", "ahead"),
                    donate_argnames=("state",))
 def _decode_segment(state: _SegmentState, params: Params, unembed: Optional[jax.Array], page_table: jax.Array,
-                    keys: jax.Array, request: jax.Array, end_pos: jax.Array, step_limit: jax.Array, exit_after: jax.Array,
-                    schedule: Optional[SparsitySchedule], *, config: Qwen3Config, k_max: int, impl: str,
-                    sampling: SamplingParams, ahead: int) -> _SegmentState:
+                    keys: jax.Array, request: jax.Array, end_pos: jax.Array, step_limit: jax.Array,
+                    exit_after: jax.Array, schedule: Optional[SparsitySchedule], *, config: Qwen3Config,
+                    k_max: int, impl: str, sampling: SamplingParams, ahead: int) -> _SegmentState:
     """Decode until ``step_limit`` steps, every slot done, or ``exit_after`` slots newly done.
 
     ``schedule`` is a pytree argument (top-k table traced, layout static), as in the sampler.
