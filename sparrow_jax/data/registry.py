@@ -3,7 +3,8 @@ generate examples (synthetic tasks only).
 
 Built-ins: ``"pointer_chase"`` (synthetic, cheap in-process verifier; one short answer),
 ``"pointer_chase_partial"`` (the same with partial credit for untrained models),
-``"pointer_trace"`` (the same prompts, the answer a long trace of every hop, partial credit) and ``"math"`` (prompts
+``"pointer_trace"`` (the same prompts, the answer a long trace of every hop, partial credit),
+``"recurrence_trace"`` (a long trace of local steps with a share of far look-ups, partial credit) and ``"math"`` (prompts
 from a dataset, math-verify reward; run it through ``RewardPool`` so a pathological answer
 cannot hang training).
 """
@@ -13,7 +14,7 @@ import dataclasses
 from typing import TYPE_CHECKING, Any, Callable
 
 from sparrow_jax.data import rewards
-from sparrow_jax.data.tasks import pointer_chase, pointer_trace
+from sparrow_jax.data.tasks import pointer_chase, pointer_trace, recurrence_trace
 
 if TYPE_CHECKING:
     from sparrow_jax.models.tokenizer import Tokenizer
@@ -87,6 +88,21 @@ POINTER_CHASE_INSTRUCTION = (
     "given number of hops: write each hop as n:key=value on its own line, then 'answer: ' and the last "
     "value.\n\n")
 
+RECURRENCE_TRACE_INSTRUCTION = (
+    "Write numbered lines from the start digits: each line is the sum mod 10 of the two before it, except "
+    "every line whose number is a multiple of the look-up period, which writes the key spelled by the two "
+    "previous digits (0-9 as a-j, newest first) and that key's constant from the table. Stop after the "
+    "look-up that reads #.\n\n")
+
+
+def recurrence_trace_prompt(example: dict, tokenizer: "Tokenizer") -> str:
+    """As :func:`pointer_chase_prompt`, with this task's instruction for real tokenizers."""
+    if not hasattr(tokenizer, "chat_template"):
+        return chat_prompt(example["prompt"], tokenizer)
+    text = RECURRENCE_TRACE_INSTRUCTION + example["prompt"]
+    return text if tokenizer.chat_template is None else chat_prompt(text, tokenizer)
+
+
 MATH_TEMPLATE = "{problem}\nPlease reason step by step, and put your final answer within \\boxed{{}}."
 
 
@@ -106,5 +122,6 @@ def pointer_chase_partial_score(completion: str, example: dict) -> float:
 register_task("pointer_chase", pointer_chase_prompt, pointer_chase.score, pointer_chase.generate)
 register_task("pointer_chase_partial", pointer_chase_prompt, pointer_chase_partial_score, pointer_chase.generate)
 register_task("pointer_trace", pointer_chase_prompt, pointer_trace.score, pointer_trace.generate)
+register_task("recurrence_trace", recurrence_trace_prompt, recurrence_trace.score, recurrence_trace.generate)
 register_task("math", math_prompt, rewards.math_reward_fn, None, use_reward_pool=True,
               reward_pool_initializer=rewards.warm_math_verify)

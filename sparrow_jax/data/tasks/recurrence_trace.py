@@ -1,0 +1,197 @@
+"""Recurrence tracing: a long trace of mostly local steps with a minority of look-ups far back.
+
+Why this shape: real chains of thought are mostly local (each line follows from the last few),
+with a tail of long-range reads of a fact stated far back. A sparse actor keeps the recent
+pages and a few selected ones, so the local lines cost it nothing and the far reads are where
+its mismatch lives; ``pointer_trace``, by contrast, makes *every* line a far read (its worst
+case). Here the share of far reads and their distance are knobs, and every line is exactly
+checkable.
+
+The prompt is a table of two-letter constants, then the two starting digits::
+
+    ad=7;kq=2;ja=#;...;ce=4;
+    start 38
+
+The trace writes one numbered line per step (indices two digits, modulo 100). Most lines are
+the local recurrence ``v[i] = (v[i-1] + v[i-2]) mod 10``. Every ``far_every``-th index is a
+look-up line instead: it writes the key spelled by the last two digits (``0..9`` -> ``a..j``,
+``v[i-1]`` first) and that key's constant from the table. The first look-up past ``min_lines``
+whose key the trace has not looked up before reads the table's one terminal constant ``#``, and
+the trace ends there, so stopping needs no counting (as in ``pointer_trace``)::
+
+    00:3
+    01:8
+    02:1
+    03:9
+    04:jb=6     <- look-up line (far_every=4): key of (9, 1), constant from the table
+    05:5
+    ...
+    40:cf=#     <- the terminal look-up ends the trace
+
+Tokens (builtin tokenizer, one per character): a local line is 5 tokens, a look-up line 8.
+Only the constant on a look-up line needs the table; everything else needs the last two lines.
+Keys made only of the letters ``k..z`` are distractor constants that pad the table to
+``context_tokens``; ``gap_tokens`` of unrelated uppercase words between the table and the
+``start`` line push every far read further back.
+
+Reward (:func:`score`), in [0, 1]: the share of the reference's lines written right before the
+first wrong one (a model that gets the first lines right earns a signal before it can finish).
+"""
+from __future__ import annotations
+
+import string
+from typing import TYPE_CHECKING, Any, Sequence
+
+import numpy as np
+
+from sparrow_jax.data.tasks.pointer_chase import DEFAULT_EOS_MARKERS
+from sparrow_jax.data.tasks.pointer_trace import preamble
+
+if TYPE_CHECKING:
+    from sparrow_jax.models.tokenizer import Tokenizer
+
+NAME = "recurrence_trace"
+TERMINAL = "#"
+DIGIT_LETTERS = "abcdefghij"  # digit d is spelled DIGIT_LETTERS[d] in a look-up key
+DISTRACTOR_LETTERS = string.ascii_lowercase[10:]  # keys of these letters are never looked up
+ENTRY_TOKENS = 5  # "ab=7;"
+_GAP_STREAM = 0x67617073  # rng stream of the gap text, apart from the table's draws
+
+
+def lookup_key(prev: int, prev2: int) -> str:
+    """The key a look-up line reads: ``v[i-1]`` then ``v[i-2]`` as letters ``a..j``."""
+    return DIGIT_LETTERS[prev] + DIGIT_LETTERS[prev2]
+
+
+def is_lookup(index: int, far_every: int) -> bool:
+    """Whether line ``index`` (>= 2) is a look-up line: its two-digit index is a multiple of
+    ``far_every`` (a divisor of 100, so the rule holds across the index's wrap at 100)."""
+    return index >= 2 and (index % 100) % far_every == 0
+
+
+def trace_lines(table: dict[str, str], start: tuple[int, int], far_every: int, min_lines: int,
+                max_lines: int) -> list[str] | None:
+    """The reference lines for ``table`` and ``start``: local lines, look-up lines, and the
+    terminal look-up as the last line; None when no terminal look-up happens by ``max_lines``.
+    (The table's terminal key must not be looked up before ``min_lines``: see :func:`generate`.)"""
+    values = [start[0], start[1]]
+    lines = [f"00:{start[0]}", f"01:{start[1]}"]
+    for i in range(2, max_lines):
+        tag = f"{i % 100:02d}:"
+        if not is_lookup(i, far_every):
+            values.append((values[-1] + values[-2]) % 10)
+            lines.append(f"{tag}{values[-1]}")
+            continue
+        key = lookup_key(values[-1], values[-2])
+        constant = table[key]
+        lines.append(f"{tag}{key}={constant}")
+        if constant == TERMINAL:
+            return lines
+        values.append(int(constant))
+    return None
+
+
+def _check_knobs(context_tokens: int, min_lines: Any, far_every: int, gap_tokens: int):
+    lo, hi = (min_lines, min_lines) if isinstance(min_lines, (int, np.integer)) else tuple(min_lines)
+    if not 2 <= lo <= hi:
+        raise ValueError(f"recurrence_trace: min_lines must be an int >= 2 or a (lo, hi) range with 2 <= lo <= hi, "
+                         f"got {min_lines}")
+    if far_every < 2 or 100 % far_every:
+        raise ValueError(f"recurrence_trace: far_every must be a divisor of 100 >= 2 (the line index wraps at 100), "
+                         f"got {far_every}")
+    if int(gap_tokens) < 0:
+        raise ValueError(f"recurrence_trace: gap_tokens must be >= 0, got {gap_tokens}")
+    max_entries = len(DIGIT_LETTERS) ** 2 + len(DISTRACTOR_LETTERS) ** 2
+    if int(context_tokens) > max_entries * ENTRY_TOKENS + 16:
+        raise ValueError(f"recurrence_trace: context_tokens={context_tokens} needs more table entries than the "
+                         f"{max_entries} two-letter keys; use gap_tokens for longer prompts")
+    return int(lo), int(hi)
+
+
+def _one_example(rng: np.random.Generator, context_tokens: int, min_lines: int, far_every: int,
+                 gap: str) -> dict[str, Any]:
+    """Draw tables until the trace's first fresh look-up past ``min_lines`` can be the terminal."""
+    keys = [a + b for a in DIGIT_LETTERS for b in DIGIT_LETTERS]
+    while True:
+        table = {k: str(int(rng.integers(10))) for k in keys}
+        start = (int(rng.integers(10)), int(rng.integers(10)))
+        seen: set[str] = set()
+        values, terminal_key = [start[0], start[1]], None
+        for i in range(2, min_lines + 100 * far_every):
+            if not is_lookup(i, far_every):
+                values.append((values[-1] + values[-2]) % 10)
+                continue
+            key = lookup_key(values[-1], values[-2])
+            if i + 1 >= min_lines and key not in seen:
+                terminal_key = key
+                break
+            seen.add(key)
+            values.append(int(table[key]))
+        if terminal_key is not None:
+            break
+    table[terminal_key] = TERMINAL
+    n_distractors = max(0, (context_tokens - 16) // ENTRY_TOKENS - len(keys))
+    pool = [a + b for a in DISTRACTOR_LETTERS for b in DISTRACTOR_LETTERS]
+    for k in rng.choice(pool, size=n_distractors, replace=False):
+        table[str(k)] = str(int(rng.integers(10)))
+    order = rng.permutation(len(table))
+    items = list(table.items())
+    records = "".join(f"{items[j][0]}={items[j][1]};" for j in order)
+    lines = trace_lines(table, start, far_every, min_lines, min_lines + 100 * far_every)
+    return {"prompt": f"{records}\n{gap}start {start[0]}{start[1]}\n", "reference": "\n".join(lines),
+            "answer": lines[-1], "meta": {"task": NAME, "trace_lines": len(lines), "far_every": far_every,
+                                          "lookups": sum(is_lookup(i, far_every) for i in range(2, len(lines)))}}
+
+
+def generate(n: int, seed: int, context_tokens: int = 512, min_lines: "int | tuple[int, int]" = 100,
+             far_every: int = 10, gap_tokens: int = 0, tokenizer: "Tokenizer | None" = None) -> list[dict[str, Any]]:
+    """``n`` examples: dicts with ``prompt``, ``reference`` (the trace's lines), ``answer`` (the
+    terminal look-up line) and ``meta`` (``trace_lines``, ``lookups``, ``prompt_tokens``).
+
+    ``context_tokens``: the table's length in tokens (at least the 100 looked-up keys, ~500
+    tokens; distractor keys pad it). ``min_lines``: the trace ends at the first fresh look-up at
+    or past this line count (a count or an inclusive ``(lo, hi)`` range drawn per example).
+    ``far_every``: one line in ``far_every`` is a look-up (a divisor of 100). ``gap_tokens``:
+    unrelated text between the table and the ``start`` line. Example ``i`` depends only on
+    ``(seed, i)``.
+    """
+    lo, hi = _check_knobs(context_tokens, min_lines, far_every, gap_tokens)
+    from sparrow_jax.models.tokenizer import BuiltinTokenizer
+
+    tokenizer = tokenizer or BuiltinTokenizer()
+    out = []
+    for i in range(n):
+        rng = np.random.default_rng([seed, i])
+        gap = preamble(int(gap_tokens), np.random.default_rng([seed, i, _GAP_STREAM]))
+        ex = _one_example(rng, int(context_tokens), int(rng.integers(lo, hi + 1)), far_every, gap)
+        ex["meta"]["prompt_tokens"] = len(tokenizer.encode(ex["prompt"]))
+        out.append(ex)
+    return out
+
+
+def correct_prefix(completion: str, reference: str,
+                   eos_markers: Sequence[str] = DEFAULT_EOS_MARKERS) -> tuple[int, int]:
+    """(lines of ``completion`` equal to the reference's before the first difference, lines in
+    the reference). Text after an end-of-sequence marker is ignored; surrounding spaces too."""
+    for marker in eos_markers:
+        cut = completion.find(marker)
+        if cut >= 0:
+            completion = completion[:cut]
+    want = [line.strip() for line in reference.split("\n")]
+    got = [line.strip() for line in completion.split("\n")]
+    n = 0
+    while n < len(want) and n < len(got) and got[n] == want[n]:
+        n += 1
+    return n, len(want)
+
+
+def score(completion: str, example: dict[str, Any]) -> float:
+    """Share of the reference's lines right before the first wrong one (1.0: the whole trace,
+    terminal look-up included)."""
+    if "reference" not in example:
+        raise KeyError(f"recurrence_trace.score: example has no 'reference' field (fields: {sorted(example)})")
+    prefix, total = correct_prefix(completion, example["reference"])
+    return prefix / total
+
+
+__all__ = ["NAME", "TERMINAL", "lookup_key", "is_lookup", "trace_lines", "generate", "correct_prefix", "score"]

@@ -1,0 +1,88 @@
+"""recurrence_trace: the reference follows the stated rule from the prompt alone, knobs do what
+they say, bad knobs are refused, and the reward gives partial credit."""
+import re
+
+import pytest
+
+from sparrow_jax.data.registry import get_task
+from sparrow_jax.data.tasks import recurrence_trace as rt
+from sparrow_jax.models.tokenizer import BuiltinTokenizer
+
+
+def _solve_from_prompt(prompt: str, far_every: int) -> list[str]:
+    """An independent solver: parse the table and start digits out of the prompt text and apply
+    the rule line by line until the terminal look-up."""
+    table = dict(re.findall(r"([a-z]{2})=([0-9#]);", prompt))
+    a, b = re.search(r"start (\d)(\d)\n$", prompt).groups()
+    vals, lines = [int(a), int(b)], [f"00:{a}", f"01:{b}"]
+    i = 2
+    while True:
+        if i % 100 % far_every == 0:
+            key = "abcdefghij"[vals[-1]] + "abcdefghij"[vals[-2]]
+            lines.append(f"{i % 100:02d}:{key}={table[key]}")
+            if table[key] == "#":
+                return lines
+            vals.append(int(table[key]))
+        else:
+            vals.append((vals[-1] + vals[-2]) % 10)
+            lines.append(f"{i % 100:02d}:{vals[-1]}")
+        i += 1
+
+
+@pytest.mark.parametrize("far_every,min_lines", [(10, 60), (5, (30, 50)), (20, 130)])
+def test_reference_is_the_rule_applied_to_the_prompt(far_every, min_lines):
+    examples = rt.generate(6, seed=3, context_tokens=700, min_lines=min_lines, far_every=far_every)
+    lo, hi = (min_lines, min_lines) if isinstance(min_lines, int) else min_lines
+    for ex in examples:
+        lines = ex["reference"].split("\n")
+        assert lines == _solve_from_prompt(ex["prompt"], far_every)
+        assert lo <= len(lines) < hi + 2 * far_every  # ends at the first fresh look-up past min_lines
+        assert ex["answer"] == lines[-1] and lines[-1].endswith("=#")
+        assert ex["meta"]["lookups"] == sum(1 for line in lines[2:] if "=" in line)
+        assert ex["prompt"].count("=#;") == 1  # one terminal constant in the table
+
+
+def test_lookup_share_and_token_shape():
+    ex = rt.generate(1, seed=0, context_tokens=600, min_lines=200, far_every=10)[0]
+    lines = ex["reference"].split("\n")
+    lookups = [line for line in lines[2:] if "=" in line]
+    assert abs(len(lookups) / len(lines) - 0.1) < 0.02
+    tok = BuiltinTokenizer()
+    assert {len(tok.encode(line)) for line in lines} == {4, 7}  # + newline: 5 and 8 tokens a line
+
+
+def test_knobs_set_prompt_length_and_distance():
+    tok = BuiltinTokenizer()
+    short = rt.generate(2, seed=1, context_tokens=520, min_lines=40)
+    long = rt.generate(2, seed=1, context_tokens=1200, min_lines=40)
+    gapped = rt.generate(2, seed=1, context_tokens=520, min_lines=40, gap_tokens=300)
+    for s, l, g in zip(short, long, gapped):
+        assert abs(len(tok.encode(l["prompt"])) - 1200) <= 16
+        assert len(tok.encode(g["prompt"])) == len(tok.encode(s["prompt"])) + 300
+        assert g["reference"] == s["reference"]  # the gap moves the table back, the trace is the same
+    assert [e["prompt"] for e in rt.generate(2, seed=1, context_tokens=520, min_lines=40)] == [e["prompt"] for e in short]
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    ({"far_every": 7}, "far_every must be a divisor of 100"),
+    ({"min_lines": 1}, "min_lines"),
+    ({"min_lines": (50, 40)}, "min_lines"),
+    ({"gap_tokens": -1}, "gap_tokens"),
+    ({"context_tokens": 10 ** 6}, "context_tokens"),
+])
+def test_bad_knobs_are_refused(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        rt.generate(1, seed=0, **kwargs)
+
+
+def test_score_partial_credit_and_registry():
+    ex = rt.generate(1, seed=2, min_lines=50)[0]
+    lines = ex["reference"].split("\n")
+    task = get_task("recurrence_trace")
+    assert task.reward(ex["reference"] + "<eos>junk", ex) == 1.0
+    wrong = lines[:10] + ["99:0"] + lines[11:]
+    assert task.reward("\n".join(wrong), ex) == pytest.approx(10 / len(lines))
+    assert task.reward("", ex) == 0.0
+    with pytest.raises(KeyError, match="reference"):
+        task.reward("00:1", {"prompt": "x"})
+    assert task.format_prompt(ex, BuiltinTokenizer()).endswith(ex["prompt"])  # the tiny model reads it raw
