@@ -1,0 +1,94 @@
+"""Every ``python -m ...`` command quoted in README.md and docs/*.md names a module that exists,
+and every ``--config.<field>=value`` override quoted with a ``--config`` file parses into a run
+spec, so a reader who copies a command never meets an unknown module or field."""
+import importlib.util
+import pathlib
+import re
+import shlex
+
+import pytest
+from absl import flags
+from ml_collections import config_flags
+
+from sparrow_jax.run.specs import ConfigError, parse_spec
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+_CODE = re.compile(r"```[^\n]*\n(.*?)```|`([^`]+)`", re.DOTALL)
+_PLACEHOLDER = re.compile(r"<[^>]*>|\$\{?\w+|\.\.\.")  # <dir>, $VAR, ...: left for the reader to fill
+
+
+def _commands(text: str) -> list[str]:
+    """``python -m`` commands in code spans and fenced blocks (a fenced line ending in ``\\``
+    continues on the next; an inline span may wrap across lines of prose)."""
+    out = []
+    for block, span in _CODE.findall(text):
+        code = (block or span).replace("\\\n", " ")
+        for line in (code.splitlines() if block else [code.replace("\n", " ")]):
+            for part in re.split(r"&&|\|\||;|\|", line):
+                m = re.search(r"python3? -m \S.*", part)
+                if m:
+                    out.append(m.group(0).strip())
+    return out
+
+
+def _quoted() -> list[tuple[str, str]]:
+    return [(f"{path.relative_to(ROOT)}", cmd) for path in DOCS for cmd in _commands(path.read_text())]
+
+
+QUOTED = _quoted()
+
+
+def _split(command: str) -> list[str]:
+    """Shell words, comments dropped; a command quoted inside a larger string (``bash -c "..."``)
+    may end in that string's closing quote."""
+    try:
+        return shlex.split(command, comments=True)
+    except ValueError:
+        return shlex.split(command.rstrip("\"'"), comments=True)
+
+
+def test_docs_quote_commands():
+    assert len(QUOTED) >= 5, QUOTED  # the extractor still finds the README's commands
+
+
+@pytest.mark.parametrize("where,command", QUOTED)
+def test_quoted_module_exists(where, command):
+    module = _split(command)[2]
+    if module in ("pytest", "pip"):
+        return
+    assert importlib.util.find_spec(module) is not None, f"{where}: `{command}` names no module {module!r}"
+
+
+def _config_args(command: str) -> tuple[str | None, list[str]]:
+    args = _split(command)[3:]
+    config, overrides = None, []
+    for i, a in enumerate(args):
+        if a == "--config" and i + 1 < len(args):
+            config = args[i + 1]
+        elif a.startswith("--config="):
+            config = a.split("=", 1)[1]
+        elif a.startswith("--config.") and not _PLACEHOLDER.search(a):
+            overrides.append(a)
+    return config, overrides
+
+
+WITH_CONFIG = [(w, c) for w, c in QUOTED if _config_args(c)[0] and not _PLACEHOLDER.search(_config_args(c)[0])]
+
+
+def test_some_commands_have_configs():
+    assert any(_config_args(c)[1] for _, c in WITH_CONFIG)  # overrides are checked, not skipped
+
+
+@pytest.mark.parametrize("where,command", WITH_CONFIG)
+def test_quoted_overrides_parse(where, command):
+    config, overrides = _config_args(command)
+    assert (ROOT / config).is_file(), f"{where}: `{command}`: no config file {config}"
+    argv = ["prog", f"--config={ROOT / config}", *overrides]
+    fv = flags.FlagValues()
+    flag = config_flags.DEFINE_config_file("config", None, "", flag_values=fv, lock_config=True, sys_argv=argv)
+    fv(argv)
+    try:
+        parse_spec(flag.value)
+    except ConfigError as e:  # paths on the reader's machine (a checkpoint, a dataset) may not exist here
+        assert "does not exist" in str(e) or "no such" in str(e).lower(), f"{where}: `{command}`: {e}"
