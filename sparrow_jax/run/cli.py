@@ -34,6 +34,22 @@ def _parse_flags(argv: list[str]) -> list[str]:
         _fail(f"{bad[0] if bad else missing}: unknown config field ('{missing}' is not in the config)")
 
 
+def _config_value(config_flag: Any) -> Any:
+    """The loaded config; a missing or unloadable ``--config`` file is a :class:`ConfigError`."""
+    name = getattr(config_flag, "name", "config")
+    try:
+        value = config_flag.value
+        if value is not None:
+            value.keys()  # ml_collections reports a file it could not load on first access, not at parse time
+    except OSError as e:  # the loader's message ends with the cause, e.g. "[Errno 2] No such file or directory: ..."
+        cause = [line.strip() for line in str(e).splitlines() if line.strip()][-1]
+        path = flags.FLAGS[name].config_filename
+        raise ConfigError(f"--{name}={path}: cannot load the config file ({cause})") from None
+    if value is None:
+        raise ConfigError(f"--{name} is required: a config file, e.g. --{name} configs/quickstart.py")
+    return value
+
+
 def config_main(config_flag: Any, main: Callable[[RunSpec], Any]) -> None:
     """``app.run`` with the run config parsed into a spec and handed to ``main(spec)``."""
     def run(argv: list[str]) -> None:
@@ -41,7 +57,7 @@ def config_main(config_flag: Any, main: Callable[[RunSpec], Any]) -> None:
         from absl import logging
         logging.set_verbosity(logging.WARNING)  # orbax logs every save at INFO
         try:
-            spec = parse_spec(config_flag.value)
+            spec = parse_spec(_config_value(config_flag))
         except ConfigError as e:
             _fail(str(e))
         try:
