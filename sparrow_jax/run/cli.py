@@ -22,6 +22,10 @@ def _parse_flags(argv: list[str]) -> list[str]:
         return flags.FLAGS(argv)
     except flags.Error as e:
         _fail(str(e))
+    except OSError as e:  # an override makes ml_collections load the config file while parsing
+        given = [a.split("=", 1)[1] if "=" in a else argv[i + 2] for i, a in enumerate(argv[1:])
+                 if (a == "--config" and i + 2 < len(argv)) or a.startswith("--config=")]
+        _fail(_load_error(e, "config", given[0] if given else None))
     except (AttributeError, KeyError) as e:  # ml_collections: an override of a field the config lacks
         # ml_collections wraps a KeyError in the AttributeError and may append "Did you mean ..."
         # after the field's name: unwrap, keep the first line
@@ -34,6 +38,12 @@ def _parse_flags(argv: list[str]) -> list[str]:
         _fail(f"{bad[0] if bad else missing}: unknown config field ('{missing}' is not in the config)")
 
 
+def _load_error(e: OSError, name: str, path: str | None) -> str:
+    # the loader's message ends with the cause, e.g. "[Errno 2] No such file or directory: ..."
+    cause = [line.strip() for line in str(e).splitlines() if line.strip()][-1]
+    return f"--{name}={path}: cannot load the config file ({cause})"
+
+
 def _config_value(config_flag: Any) -> Any:
     """The loaded config; a missing or unloadable ``--config`` file is a :class:`ConfigError`."""
     name = getattr(config_flag, "name", "config")
@@ -41,10 +51,8 @@ def _config_value(config_flag: Any) -> Any:
         value = config_flag.value
         if value is not None:
             value.keys()  # ml_collections reports a file it could not load on first access, not at parse time
-    except OSError as e:  # the loader's message ends with the cause, e.g. "[Errno 2] No such file or directory: ..."
-        cause = [line.strip() for line in str(e).splitlines() if line.strip()][-1]
-        path = flags.FLAGS[name].config_filename
-        raise ConfigError(f"--{name}={path}: cannot load the config file ({cause})") from None
+    except OSError as e:
+        raise ConfigError(_load_error(e, name, flags.FLAGS[name].config_filename)) from None
     if value is None:
         raise ConfigError(f"--{name} is required: a config file, e.g. --{name} configs/quickstart.py")
     return value
