@@ -51,6 +51,8 @@ def _cfg(**fields):
                                                                       r"expected one of \["),
     (dict(schedule__dense_layers=(0, 4)), r"^--config\.schedule\.dense_layers=\(0, 4\): layers \[4\] are not in the "
                                           r"model's 4"),
+    (dict(tokenizer="/no/such/tokenizer"), r"^--config\.tokenizer='/no/such/tokenizer': expected 'builtin' or a "
+                                           r"directory holding tokenizer\.json$"),
     (dict(model__source="hf", model__hf_dir="/no/such/model"),
      r"^--config\.model\.hf_dir='/no/such/model': is not a directory holding a Hugging Face config\.json$"),
 ])

@@ -337,6 +337,8 @@ def validate(spec: RunSpec) -> None:
     _require(m.source != "hf" or bool(m.hf_dir), "model.hf_dir", m.hf_dir, "is required when model.source='hf'")
     _require(m.source != "hf" or os.path.isfile(os.path.join(m.hf_dir, "config.json")), "model.hf_dir", m.hf_dir,
              "is not a directory holding a Hugging Face config.json")
+    _require(spec.tokenizer == "builtin" or os.path.isdir(spec.tokenizer), "tokenizer", spec.tokenizer,
+             "expected 'builtin' or a directory holding tokenizer.json")
     _require(m.source != "warmup" or spec.tokenizer == "builtin", "tokenizer", spec.tokenizer,
              "the warm-up model is trained with the builtin tokenizer (model.source='warmup')")
     _require(s.kind != "preset" or bool(s.preset), "schedule.preset", s.preset,
