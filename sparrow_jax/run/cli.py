@@ -1,5 +1,6 @@
-"""Entry-point helper: parse ``--config`` once into a :class:`RunSpec`; a bad config or an
-unknown override prints one line naming the field and exits with status 2 (no traceback)."""
+"""Entry-point helper: parse ``--config`` once into a :class:`RunSpec`; a bad config, an
+unknown override or a missing config file prints one line naming the field (or file) and exits
+with status 2 (no traceback)."""
 from __future__ import annotations
 
 import sys
@@ -23,9 +24,7 @@ def _parse_flags(argv: list[str]) -> list[str]:
     except flags.Error as e:
         _fail(str(e))
     except OSError as e:  # an override makes ml_collections load the config file while parsing
-        given = [a.split("=", 1)[1] if "=" in a else argv[i + 2] for i, a in enumerate(argv[1:])
-                 if (a == "--config" and i + 2 < len(argv)) or a.startswith("--config=")]
-        _fail(_load_error(e, "config", given[0] if given else None))
+        _fail(_load_error(e, "config", _flag_value(argv, "config")))
     except (AttributeError, KeyError) as e:  # ml_collections: an override of a field the config lacks
         # ml_collections wraps a KeyError in the AttributeError and may append "Did you mean ..."
         # after the field's name: unwrap, keep the first line
@@ -36,6 +35,16 @@ def _parse_flags(argv: list[str]) -> list[str]:
         bad = [a.split("=", 1)[0] for a in argv[1:]
                if a.startswith("--config.") and missing in a.split("=", 1)[0].split(".")]
         _fail(f"{bad[0] if bad else missing}: unknown config field ('{missing}' is not in the config)")
+
+
+def _flag_value(argv: list[str], name: str) -> str | None:
+    """The value given to ``--name`` (``--name=v`` or ``--name v``) on the command line."""
+    for i, arg in enumerate(argv):
+        if arg.startswith(f"--{name}="):
+            return arg.split("=", 1)[1]
+        if arg == f"--{name}" and i + 1 < len(argv):
+            return argv[i + 1]
+    return None
 
 
 def _load_error(e: OSError, name: str, path: str | None) -> str:

@@ -338,7 +338,7 @@ def validate(spec: RunSpec) -> None:
     _require(m.source != "hf" or os.path.isfile(os.path.join(m.hf_dir, "config.json")), "model.hf_dir", m.hf_dir,
              "is not a directory holding a Hugging Face config.json")
     _require(spec.tokenizer == "builtin" or os.path.isdir(spec.tokenizer), "tokenizer", spec.tokenizer,
-             "expected 'builtin' or a directory holding tokenizer.json")
+             "expected 'builtin' or an existing tokenizer directory")
     _require(m.source != "warmup" or spec.tokenizer == "builtin", "tokenizer", spec.tokenizer,
              "the warm-up model is trained with the builtin tokenizer (model.source='warmup')")
     _require(s.kind != "preset" or bool(s.preset), "schedule.preset", s.preset,
@@ -384,7 +384,8 @@ def _validate_online(spec: RunSpec) -> None:
              "must be 0 with schedule.kind='online' (the controller sets the budgets)")
 
 
-PRESET_LAYOUT = ("page_size", "bin_width", "reserved_first", "reserved_last", "dense_layers", "selector")  # a preset fixes these
+# the schedule fields a paper preset fixes (its table was measured with them)
+PRESET_LAYOUT = ("page_size", "bin_width", "reserved_first", "reserved_last", "dense_layers", "selector")
 
 
 def _num_layers(m: ModelSpec) -> Optional[int]:
@@ -404,12 +405,15 @@ def _validate_inert(spec: RunSpec) -> None:
     # count the truncation as mismatch
     _require(r.top_p == 1, "rollout.top_p", r.top_p, "must be 1 (the train step scores the untruncated distribution)")
     _require(r.top_k == 0, "rollout.top_k", r.top_k, "must be 0 (the train step scores the untruncated distribution)")
-    _require(tr.clip_low < 1, "train.clip_low", tr.clip_low, "must be < 1 (the PPO ratio's lower bound is 1 - clip_low)")
+    _require(tr.clip_low < 1, "train.clip_low", tr.clip_low,
+             "must be < 1 (the PPO ratio's lower bound is 1 - clip_low)")
     devices = spec.mesh.data * spec.mesh.fsdp * spec.mesh.tensor
     _require(r.engine != "continuous" or devices == 1, "rollout.engine", r.engine,
-             f"runs on one device (the page-pool kernel is not sharded); the mesh has {devices}: use 'auto' or 'fixed'")
+             f"runs on one device (the page-pool kernel is not sharded); the mesh has {devices}: "
+             "use 'auto' or 'fixed'")
     _require(not t.dataset or t.num_train == 0, "task.num_train", t.num_train,
-             f"must be 0 with task.dataset={t.dataset!r} (the file's rows after the eval rows are the training prompts)")
+             f"must be 0 with task.dataset={t.dataset!r} (the file's rows after the eval rows are the "
+             "training prompts)")
     _require(bool(t.dataset) or t.num_train > 0, "task.num_train", t.num_train, "must be > 0")
     _require("vocab_size" not in m.tiny, "model.tiny.vocab_size", m.tiny.get("vocab_size"),
              "is the tokenizer's; remove the field")
