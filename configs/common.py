@@ -17,8 +17,8 @@ def model_config() -> ConfigDict:
         hf_dir="",  # local Hugging Face directory when source == "hf"
         dtype="float32",  # compute dtype: float32 | bfloat16
         param_dtype="float32",  # parameter storage dtype
-        tiny=ConfigDict(dict(  # Qwen3 architecture of the tiny model (source tiny / warmup)
-            vocab_size=128, hidden_size=128, num_hidden_layers=4, num_attention_heads=4,
+        tiny=ConfigDict(dict(  # Qwen3 architecture of the tiny model (source tiny / warmup); vocab: the tokenizer's
+            hidden_size=128, num_hidden_layers=4, num_attention_heads=4,
             num_key_value_heads=2, head_dim=32, intermediate_size=256, tie_word_embeddings=True,
             rope_theta=10000.0, max_position_embeddings=8192)),
     ))
@@ -31,7 +31,7 @@ def task_config() -> ConfigDict:
         context_tokens=512,  # built-in task: approximate prompt length in tokens
         hops=2,  # built-in task: pointer hops the answer needs
         distractor_frac=0.5,  # built-in task: share of near-duplicate distractor keys
-        num_train=512,  # built-in task: training prompts generated
+        num_train=512,  # built-in task: training prompts generated (0 with task.dataset: the rows after the eval rows)
         num_eval=32,  # held-out prompts for evaluation and calibration validation
         seed=1234,  # generation seed of the built-in task
         key_len=3,  # built-in task: symbols per record key (also a warm-up cache knob)
@@ -106,6 +106,7 @@ def calibration_config() -> ConfigDict:
         percentile=5.0,  # tail percentile (the paper's p5)
         spread_prompts=True,  # spread prompt lengths up to task.context_tokens (False: all at it; long completions)
         min_count=40,  # completion tokens a (budget, bin) cell needs before its percentile counts
+        allow_failed=False,  # train on a schedule whose validation failed (False: the run stops before RL)
     ))
 
 

@@ -28,8 +28,8 @@ def get_config():
     c = base_config()
     c.workdir = "runs/long_trace"
     c.model.source = "warmup"
-    c.model.tiny = ConfigDict(dict(  # vocab_size is replaced by the builtin tokenizer's (111)
-        vocab_size=128, hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+    c.model.tiny = ConfigDict(dict(  # vocabulary: the builtin tokenizer's (111)
+        hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
         head_dim=32, intermediate_size=256, tie_word_embeddings=True, rope_theta=10000.0,
         max_position_embeddings=4096))
     # Warm-up SFT (sparrow_jax.sft.warmup.WarmupSettings): a curriculum of growing rows. The lookup

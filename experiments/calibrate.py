@@ -6,17 +6,24 @@ per position bin for every budget in ``calibration.budgets``, derives the cheape
 non-decreasing schedule with p5 >= tau, validates it on fresh prompts and writes
 ``<workdir>/schedule.json``, ``<workdir>/calibration.json`` and
 ``<workdir>/p5_by_position.png``. The last stdout line is a JSON summary.
+
+A workdir that holds a run (checkpoints, metrics, a report or a calibration) is refused unless
+``--force``: a resumed run would train on the new schedule. A schedule that fails validation is
+not written and the command exits with status 2 naming the bins (unless
+``--config.calibration.allow_failed=True``).
 """
 from __future__ import annotations
 
 import json
 
 import numpy as np
+from absl import flags
 from ml_collections import config_flags
 
 from sparrow_jax.run.cli import config_main
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "run config file (configs/*.py)", lock_config=True)
+_FORCE = flags.DEFINE_bool("force", False, "replace the schedule and calibration of a run in --config.workdir")
 
 
 def fixed_budget_trend(table: dict) -> dict:
@@ -35,8 +42,9 @@ def fixed_budget_trend(table: dict) -> dict:
 
 def main(spec):
     from sparrow_jax.mismatch.calibrate import format_report  # deferred: keeps --help fast
-    from sparrow_jax.run.calibration import calibrate_run
+    from sparrow_jax.run.calibration import calibrate_run, check_calibration_target
 
+    check_calibration_target(spec.workdir, _FORCE.value)  # before the model is built: refusing is instant
     result = calibrate_run(spec)
     print(format_report(result))
     trend = fixed_budget_trend(result["table"])

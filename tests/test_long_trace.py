@@ -101,7 +101,7 @@ def _tiny_trace_config(preamble_tokens=0, preamble_steps=0):
     from ml_collections import ConfigDict
 
     cfg = base_config()
-    cfg.model.tiny = ConfigDict(dict(vocab_size=128, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+    cfg.model.tiny = ConfigDict(dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
                                      num_key_value_heads=1, head_dim=16, intermediate_size=64,
                                      tie_word_embeddings=True, rope_theta=10000.0, max_position_embeddings=1024))
     cfg.model.warmup = ConfigDict(dict(steps=2, batch_size=2, min_context=32, max_train_context=48, max_train_hops=3,

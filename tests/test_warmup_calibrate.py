@@ -19,7 +19,7 @@ from sparrow_jax.models.tokenizer import BuiltinTokenizer
 from sparrow_jax.rollout import SamplingParams, SparsitySchedule
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TINY_ARCH = dict(vocab_size=128, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+TINY_ARCH = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
                  head_dim=16, intermediate_size=64, tie_word_embeddings=True, rope_theta=10000.0,
                  max_position_embeddings=1024)
 

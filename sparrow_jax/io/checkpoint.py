@@ -18,6 +18,9 @@ Crash safety (a crash or SIGKILL must never leave a checkpoint that loads but is
     garbage collection deletes files in place, so it is turned off and done here).
   * steps without a marker are debris: ignored by `all_steps`/`latest_step`/`restore`,
     removed at the next save.
+  * a committed step that no longer loads (a file corrupted or lost since) is skipped by
+    `restore_latest`, which warns, uncommits it (removed at the next save, so the resumed run
+    can save that step again) and restores the newest step that loads.
 Saves are blocking (simple and safe; the step is durable when `save` returns).
 
 Multi-host: every process calls `save`/`restore` (orbax coordinates array writes);
@@ -28,6 +31,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
@@ -305,6 +309,40 @@ class CheckpointManager:
         args[META_KEY] = ocp.args.JsonRestore()
         restored = self._mngr.restore(step, args=ocp.args.Composite(**args))
         return {k: restored[k] for k in args}
+
+    def restore_latest(self, target: Mapping[str, Any] | None = None) -> dict[str, Any] | None:
+        """:meth:`restore` of the newest committed step that loads; None when nothing is committed.
+
+        A step that fails to load is skipped with a warning naming it and the step restored
+        instead, and uncommitted. A target that does not match (CheckpointMismatchError) is an
+        error, not corruption: it is raised. When no step loads, the newest step's error is raised.
+        """
+        bad: list[tuple[int, Exception]] = []
+        for step in reversed(self.all_steps()):
+            try:
+                restored = self.restore(step, target)
+            except CheckpointMismatchError:
+                raise
+            except Exception as err:  # orbax / tensorstore raise ValueError, OSError, ... on a corrupted file
+                bad.append((step, err))
+                continue
+            if bad:
+                detail = "; ".join(f"step {s}: {type(e).__name__}: {str(e).splitlines()[0][:200]}" for s, e in bad)
+                warnings.warn(f"checkpoint step {bad[0][0]} in {self.directory} does not load ({detail}); restored "
+                              f"step {step}, the newest committed step that does; step(s) "
+                              f"{[s for s, _ in bad]} uncommitted", RuntimeWarning, stacklevel=2)
+                self._uncommit([s for s, _ in bad])
+            return restored
+        if bad:
+            raise bad[0][1]
+        return None
+
+    def _uncommit(self, steps: list[int]) -> None:
+        """Remove the markers of ``steps``: debris from now on, deleted at the next save."""
+        if _is_primary():
+            for step in steps:
+                (self._step_dir(step) / MARKER_NAME).unlink(missing_ok=True)
+        _barrier(f"sparrow_ckpt_uncommit_{'_'.join(map(str, steps))}")
 
     def _check_against_stored(self, step: int, key: str, abstract: Any) -> None:
         """Compare target tree paths and shapes with the stored metadata of item `key`."""

@@ -114,6 +114,12 @@ def score(ctx: RunContext, completions: list[str], examples: list[dict], pool: O
     return np.asarray([float(ctx.task.reward(c, e)) for c, e in zip(completions, examples)], np.float32)
 
 
+def finite_rewards(rewards: np.ndarray) -> tuple[np.ndarray, float]:
+    """Rewards [B] with NaN / inf zeroed (one would poison its group's advantages), and how many were."""
+    bad = ~np.isfinite(rewards)
+    return np.where(bad, np.float32(0.0), rewards).astype(np.float32), float(bad.sum())
+
+
 def sample(ctx: RunContext, params, examples: list[dict], key, repeats: int, schedule: Optional[SparsitySchedule],
            pool: Optional[RewardPool] = None, first_request: int = 0):
     """``repeats`` completions per example with ``params`` under ``schedule``; (rollout, rewards [B]).
@@ -241,9 +247,10 @@ def _checkpoints(spec: RunSpec) -> CheckpointManager:
 
 def restore_or_init(loop: Loop, ckpt: CheckpointManager) -> LoopState:
     state = init_state(loop)
-    if ckpt.latest_step() is None:
+    restored = ckpt.restore_latest(target={"loop": state})  # a corrupted newest step falls back to the one before
+    if restored is None:
         return state
-    state = ckpt.restore(target={"loop": state})["loop"]
+    state = restored["loop"]
     state = state._replace(train=shard_train_state(state.train, loop.mesh, loop.ctx.model_config))
     print(f"[train] resumed from checkpoint at step {state.step}", flush=True)
     return state
@@ -276,7 +283,8 @@ def collect_options(spec: RunSpec) -> CollectOptions:
 
 def collect(loop: Loop, state: LoopState, key) -> tuple[Batch, dict, jax.Array]:
     """Sample a group of completions per prompt with the actor, score them, shape and filter the
-    groups (DAPO options); (batch, metrics, data position after the prompts used).
+    groups (DAPO options); (batch, metrics, data position after the prompts used). Non-finite
+    rewards are zeroed before the advantages and counted (``reward/nonfinite``).
 
     On several processes each one samples and scores only the prompts of its block of the
     batch's rows (:func:`process_rows`), on its own devices with a full copy of the actor, and
@@ -307,7 +315,8 @@ def collect(loop: Loop, state: LoopState, key) -> tuple[Batch, dict, jax.Array]:
                                       key if i == 0 else jax.random.fold_in(key, 3 + i), g, schedule, loop.pool,
                                       first_request=start)
         timeouts, errors = pool_counts(loop.pool) - before
-        return rollout, rewards, {"reward/timeouts": timeouts, "reward/errors": errors}
+        rewards, nonfinite = finite_rewards(rewards)
+        return rollout, rewards, {"reward/timeouts": timeouts, "reward/errors": errors, "reward/nonfinite": nonfinite}
 
     rollout, rewards, rows_in_loss, metrics = collect_batch(sample_round, collect_options(loop.spec))
     adv = np.asarray(group_advantages(jnp.asarray(rewards), g, mode=loop.spec.train.adv_mode))
@@ -316,7 +325,7 @@ def collect(loop: Loop, state: LoopState, key) -> tuple[Batch, dict, jax.Array]:
     fields = Batch(tokens, mask_truncated(mask, ~rows_in_loss), logp, adv, rollout.prompt_lens)
     if local:
         batch = Batch(*(rows_to_global(x, loop.mesh, num_rows) for x in fields))
-        for k in ("reward/timeouts", "reward/errors"):
+        for k in ("reward/timeouts", "reward/errors", "reward/nonfinite"):
             metrics[k] = float(gather(np.asarray([metrics[k]])).sum())
         metrics.update(response_length_metrics(gather(completion_lens(rollout)), loop.spec.rollout.max_new_tokens))
     else:
@@ -411,19 +420,18 @@ def train(spec: RunSpec, ctx: RunContext, progress: bool = True) -> TrainResult:
     """Run (or resume from ``<workdir>/checkpoints``) RL training; returns data, not live objects."""
     os.makedirs(spec.workdir, exist_ok=True)
     loop = make_loop(spec, ctx)
-    try:
-        with mesh_context(loop.mesh):  # sparse decode kernels split over the mesh's rows and KV heads
-            return _run(loop, progress)
-    finally:
+    with contextlib.ExitStack() as resources:  # closed on any exception too (TensorBoard keeps the steps logged)
         if loop.pool is not None:
-            loop.pool.close()
+            resources.callback(loop.pool.close)
+        with mesh_context(loop.mesh):  # sparse decode kernels split over the mesh's rows and KV heads
+            return _run(loop, progress, resources)
 
 
-def _run(loop: Loop, progress: bool) -> TrainResult:
-    spec, ctx, ckpt = loop.spec, loop.ctx, _checkpoints(loop.spec)
+def _run(loop: Loop, progress: bool, resources: contextlib.ExitStack) -> TrainResult:
+    spec, ctx, ckpt = loop.spec, loop.ctx, resources.enter_context(_checkpoints(loop.spec))
     state = restore_or_init(loop, ckpt)
-    writer = MetricWriter(spec.workdir, resume_step=state.step, is_primary=is_primary())
-    bar = ProgressBar(total=spec.steps, initial=state.step, desc="rl", disable=not progress)
+    writer = resources.enter_context(MetricWriter(spec.workdir, resume_step=state.step, is_primary=is_primary()))
+    bar = resources.enter_context(ProgressBar(total=spec.steps, initial=state.step, desc="rl", disable=not progress))
     history, streak = [], 0
     while state.step < spec.steps:
         state, metrics = rl_step(loop, state)

@@ -1,6 +1,10 @@
 """The calibration run: measure the acceptance-rate tail of the run's model per budget and
 position bin, derive the cheapest schedule with p5 >= tau, validate it on fresh prompts, and
-write ``<workdir>/schedule.json``, ``calibration.json`` and ``p5_by_position.png``."""
+write ``<workdir>/schedule.json``, ``calibration.json`` and ``p5_by_position.png``.
+
+A schedule that fails validation is not written (RL never trains on it) unless
+``calibration.allow_failed``; :func:`check_calibration_target` keeps a calibration from
+replacing the schedule of a run already in its workdir."""
 from __future__ import annotations
 
 import os
@@ -14,7 +18,26 @@ from sparrow_jax.io import atomic_write_json
 from sparrow_jax.io.plots import plot_p5_by_position
 from sparrow_jax.mismatch.calibrate import calibrate, spread_context_lengths, validate
 from sparrow_jax.run.context import RunContext, build_run_context, generator_args, schedule_layout
-from sparrow_jax.run.specs import RunSpec, TaskSpec
+from sparrow_jax.run.specs import ConfigError, RunSpec, TaskSpec
+
+# what in a workdir shows a run that a new calibration's schedule would change under it
+RUN_FILES = ("checkpoints", "metrics.jsonl", "report.json", "schedule.json", "calibration.json")
+
+
+def check_calibration_target(workdir: str, force: bool) -> None:
+    """Raise :class:`ConfigError` naming the first of :data:`RUN_FILES` in ``workdir`` unless ``force``:
+    a resumed run would train on the new schedule, and the old calibration would be lost."""
+    found = [name for name in RUN_FILES if os.path.exists(os.path.join(workdir, name))]
+    if found and not force:
+        raise ConfigError(f"--config.workdir={workdir!r} holds a run ({os.path.join(workdir, found[0])}); calibrating "
+                          "would replace its schedule.json and calibration.json: pass --force to replace them, or "
+                          "choose another --config.workdir")
+
+
+def failed_bins(validation: dict) -> list[tuple[int, float]]:
+    """(bin start, p5) of the validated bins whose p5 missed ``tau - margin``."""
+    return [(int(b), float(p)) for b, p, ok in zip(validation["bin_starts"], validation["p5"], validation["meets"])
+            if ok is False]
 
 
 def context_lengths(t: TaskSpec, n: int, spread: bool = True) -> list[int]:
@@ -66,12 +89,20 @@ def calibrate_run(spec: RunSpec, ctx: Optional[RunContext] = None, progress: boo
                           jax.random.fold_in(key, 2), cal.percentile, tau=cal.tau,
                           min_count=cal.min_count, pad_id=ctx.tokenizer.pad_id)
     seconds = time.perf_counter() - t0
-    paths = _write_outputs(spec, config, base, result, validation, seconds, load_s)
+    failed = failed_bins(validation)
+    paths = _write_outputs(spec, config, base, result, validation, seconds, load_s,
+                           write_schedule=not failed or cal.allow_failed)
+    if failed and not cal.allow_failed:  # stop before RL: its tail guarantee would not hold
+        shown = ", ".join(f"bin {b}: p5 {p:.3f}" for b, p in failed)
+        raise ConfigError(f"--config.calibration.allow_failed=False: the calibrated schedule failed validation on "
+                          f"fresh prompts ({shown}; needs >= {validation['tau'] - validation['margin']:.3f}); no "
+                          f"schedule.json written, see {paths['table_path']}. Widen calibration.budgets or lower "
+                          "calibration.tau, or pass --config.calibration.allow_failed=True to train on it anyway")
     return dict(result, validation=validation, **paths, seconds=seconds)
 
 
 def _write_outputs(spec: RunSpec, config, base, result: dict, validation: dict, seconds: float,
-                   load_s: float) -> dict[str, str]:
+                   load_s: float, write_schedule: bool = True) -> dict[str, str]:
     cal, workdir = spec.calibration, spec.workdir
     os.makedirs(workdir, exist_ok=True)
     paths = dict(schedule_path=os.path.join(workdir, "schedule.json"),
@@ -90,5 +121,8 @@ def _write_outputs(spec: RunSpec, config, base, result: dict, validation: dict, 
         flagged_bins=result["flagged_bins"], inherited_bins=result["inherited_bins"],
         per_budget=result["per_budget"], validation=validation, seconds=round(seconds, 1),
         load_seconds=round(load_s, 1)))
-    atomic_write_json(paths["schedule_path"], schedule.to_dict())  # crash-safe; same content as to_json
+    if write_schedule:
+        atomic_write_json(paths["schedule_path"], schedule.to_dict())  # crash-safe; same content as to_json
+    elif os.path.exists(paths["schedule_path"]):  # a forced recalibration: the old schedule is not this table's
+        os.remove(paths["schedule_path"])
     return paths

@@ -9,6 +9,8 @@ this module and the entry points no library function takes a ``ConfigDict``.
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
 import typing
 from typing import Any, Optional
 
@@ -29,7 +31,7 @@ class ModelSpec:
     hf_dir: str
     dtype: str
     param_dtype: str
-    tiny: dict  # Qwen3Config fields of the tiny / warm-up architecture (vocab_size: the tokenizer's)
+    tiny: dict  # Qwen3Config fields of the tiny / warm-up architecture, less vocab_size (the tokenizer's)
     warmup: dict = dataclasses.field(default_factory=dict)  # optional warm-up SFT block (WarmupSettings + cache_dir)
 
 
@@ -106,6 +108,7 @@ class CalibrationSpec:
     percentile: float
     min_count: int
     spread_prompts: bool  # prompt lengths spread up to task.context_tokens (False: all at it)
+    allow_failed: bool  # RL may use a schedule whose validation failed (else the run stops before RL)
 
 
 @_spec
@@ -291,7 +294,7 @@ CHOICES = {
 POSITIVE = ("steps", "checkpoint_every", "keep_checkpoints", "eval_k", "rollout.prompts_per_step",
             "rollout.group_size", "rollout.max_new_tokens", "schedule.page_size", "schedule.bin_width",
             "train.micro_batches", "train.ppo_epochs", "train.mini_batches", "task.reward_workers",
-            "task.reward_timeout_s", "task.num_train", "task.num_eval", "mesh.data", "mesh.fsdp", "mesh.tensor",
+            "task.reward_timeout_s", "task.num_eval", "mesh.data", "mesh.fsdp", "mesh.tensor",
             "distill.eval_samples", "distill.updates_per_step", "distill.rank", "calibration.num_prompts",
             "calibration.samples_per_prompt", "calibration.validate_prompts", "schedule.online.up_levels",
             "schedule.online.down_levels", "schedule.online.min_tokens", "schedule.online.levels_per_octave")
@@ -332,6 +335,10 @@ def validate(spec: RunSpec) -> None:
     _require(spec.task.preamble_tokens == 0 or spec.task.name == "pointer_trace", "task.preamble_tokens",
              spec.task.preamble_tokens, f"only task pointer_trace has a preamble (task.name={spec.task.name!r})")
     _require(m.source != "hf" or bool(m.hf_dir), "model.hf_dir", m.hf_dir, "is required when model.source='hf'")
+    _require(m.source != "hf" or os.path.isfile(os.path.join(m.hf_dir, "config.json")), "model.hf_dir", m.hf_dir,
+             "is not a directory holding a Hugging Face config.json")
+    _require(spec.tokenizer == "builtin" or os.path.isdir(spec.tokenizer), "tokenizer", spec.tokenizer,
+             "expected 'builtin' or an existing tokenizer directory")
     _require(m.source != "warmup" or spec.tokenizer == "builtin", "tokenizer", spec.tokenizer,
              "the warm-up model is trained with the builtin tokenizer (model.source='warmup')")
     _require(s.kind != "preset" or bool(s.preset), "schedule.preset", s.preset,
@@ -351,6 +358,7 @@ def validate(spec: RunSpec) -> None:
     _require(bool(spec.distill.switch_topk) == bool(spec.distill.switch_every), "distill.switch_every",
              spec.distill.switch_every, "phase 2 needs both distill.switch_topk and distill.switch_every (or neither)")
     _validate_online(spec)
+    _validate_inert(spec)
     if spec.study is not None:
         arms = spec.study.arms
         unknown = [a for a in arms if a not in STUDY_ARMS]
@@ -374,3 +382,54 @@ def _validate_online(spec: RunSpec) -> None:
              "is required when schedule.online.start='preset'")
     _require(spec.distill.switch_topk == 0, "distill.switch_topk", spec.distill.switch_topk,
              "must be 0 with schedule.kind='online' (the controller sets the budgets)")
+
+
+# the schedule fields a paper preset fixes (its table was measured with them)
+PRESET_LAYOUT = ("page_size", "bin_width", "reserved_first", "reserved_last", "dense_layers", "selector")
+
+
+def _num_layers(m: ModelSpec) -> Optional[int]:
+    """The model's layer count, known before it is built (None where it is not)."""
+    if m.source == "hf":
+        with open(os.path.join(m.hf_dir, "config.json"), encoding="utf-8") as f:
+            return json.load(f).get("num_hidden_layers")
+    return m.tiny.get("num_hidden_layers")
+
+
+def _validate_inert(spec: RunSpec) -> None:
+    """Fields the run would accept and then ignore, or break on deep inside a compiled step."""
+    r, s, tr, t, m = spec.rollout, spec.schedule, spec.train, spec.task, spec.model
+    _require(r.temperature > 0, "rollout.temperature", r.temperature,
+             "must be > 0 (greedy rollouts give every group one completion, hence no advantage to learn from)")
+    # the sampler truncates its distribution, the train step's log-probs do not: the ratio would
+    # count the truncation as mismatch
+    _require(r.top_p == 1, "rollout.top_p", r.top_p, "must be 1 (the train step scores the untruncated distribution)")
+    _require(r.top_k == 0, "rollout.top_k", r.top_k, "must be 0 (the train step scores the untruncated distribution)")
+    _require(tr.clip_low < 1, "train.clip_low", tr.clip_low,
+             "must be < 1 (the PPO ratio's lower bound is 1 - clip_low)")
+    devices = spec.mesh.data * spec.mesh.fsdp * spec.mesh.tensor
+    _require(r.engine != "continuous" or devices == 1, "rollout.engine", r.engine,
+             f"runs on one device (the page-pool kernel is not sharded); the mesh has {devices}: "
+             "use 'auto' or 'fixed'")
+    _require(not t.dataset or t.num_train == 0, "task.num_train", t.num_train,
+             f"must be 0 with task.dataset={t.dataset!r} (the file's rows after the eval rows are the "
+             "training prompts)")
+    _require(bool(t.dataset) or t.num_train > 0, "task.num_train", t.num_train, "must be > 0")
+    _require("vocab_size" not in m.tiny, "model.tiny.vocab_size", m.tiny.get("vocab_size"),
+             "is the tokenizer's; remove the field")
+    dense = tuple(s.dense_layers)
+    if "preset" in (s.kind, s.online.start if s.kind == "online" else None):
+        from sparrow_jax.rollout.schedule import SparsitySchedule  # deferred: parsing needs no jax otherwise
+        _require(s.preset in SparsitySchedule.available_presets(), "schedule.preset", s.preset,
+                 f"expected one of {SparsitySchedule.available_presets()}")
+        preset = SparsitySchedule.from_preset(s.preset)
+        dense = tuple(preset.dense_layers)  # what the run will use
+        for field in PRESET_LAYOUT:
+            ours, theirs = getattr(s, field), getattr(preset, field)
+            ours, theirs = (tuple(ours), tuple(theirs)) if field == "dense_layers" else (ours, theirs)
+            _require(ours == theirs, f"schedule.{field}", ours,
+                     f"schedule.preset {s.preset!r} fixes it to {theirs!r} (set that, or use schedule.kind='fixed')")
+    layers = _num_layers(m)
+    if layers is not None:
+        beyond = [d for d in dense if not 0 <= d < layers]
+        _require(not beyond, "schedule.dense_layers", dense, f"layers {beyond} are not in the model's {layers}")
