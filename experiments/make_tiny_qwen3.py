@@ -7,8 +7,8 @@ parquet of arithmetic word problems in verl's preprocessed schema.
     #                             generation_config.json)
     #    runs/tiny_qwen3/math.parquet  (16 rows: prompt as chat messages, reward_model.ground_truth)
 
-Then ``configs/qwen3_math.py`` runs on them with the overrides that ``docs/real_models.md``
-lists (the same ones ``tests/test_qwen3_math.py`` uses). The tokenizer is a byte-level BPE
+It prints the command that runs ``configs/qwen3_math.py`` on them at the tiny scale
+(:data:`TINY_OVERRIDES`, the ones ``tests/test_qwen3_math.py`` and ``docs/real_models.md`` use). The tokenizer is a byte-level BPE
 trained here on the problems and the template's text, with Qwen3's special tokens.
 """
 from __future__ import annotations
@@ -32,6 +32,11 @@ CHAT_TEMPLATE = (
 INSTRUCTION = "Let's think step by step and put the final answer within \\boxed{}."
 NAMES = ("Ann", "Bob", "Cleo", "Dev")
 ITEMS = ("apples", "pens", "coins", "books")
+# configs/qwen3_math.py at the tiny scale: two RL steps of 2 prompts x 4 samples of 16 tokens on
+# one device, one verifier process (the test and docs/real_models.md use exactly these).
+TINY_OVERRIDES = {"steps": 2, "checkpoint_every": 1, "eval_k": 2, "task.num_eval": 4, "task.reward_workers": 1,
+                  "rollout.prompts_per_step": 2, "rollout.group_size": 4, "rollout.max_new_tokens": 16,
+                  "train.micro_batches": 1, "mesh.fsdp": 1}
 MODEL_SHAPE = dict(hidden_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                    intermediate_size=128, tie_word_embeddings=True, rope_theta=10000.0, max_position_embeddings=2048)
 
@@ -108,6 +113,13 @@ def make_tiny_qwen3(out_dir: str, rows: int = 16, seed: int = 0) -> tuple[str, s
     return write_model(os.path.join(out_dir, "model"), seed), write_parquet(os.path.join(out_dir, "math.parquet"), rows)
 
 
+def run_command(model: str, data: str, workdir: str) -> str:
+    """The ``experiments.run`` command of ``configs/qwen3_math.py`` on the tiny model and data."""
+    fields = {"model.hf_dir": model, "task.dataset": data, "workdir": workdir, **TINY_OVERRIDES}
+    return "python -m experiments.run --config configs/qwen3_math.py " + " ".join(
+        f"--config.{k}={v}" for k, v in fields.items())
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("out_dir", help="directory to write model/ and math.parquet into")
@@ -115,7 +127,7 @@ def main(argv=None) -> None:
     p.add_argument("--seed", type=int, default=0, help="seed of the random weights")
     args = p.parse_args(argv)
     model, data = make_tiny_qwen3(args.out_dir, args.rows, args.seed)
-    print(f"model: {model}\ndata: {data}")
+    print(f"model: {model}\ndata: {data}\nrun it:\n{run_command(model, data, os.path.join(args.out_dir, 'run'))}")
 
 
 if __name__ == "__main__":
