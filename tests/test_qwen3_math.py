@@ -123,6 +123,24 @@ def test_memory_plan_refuses_what_cannot_fit_and_names_the_fields(tiny, qwen3_8b
     assert not os.path.exists(tmp_path / "run")
 
 
+def test_decode_plan_covers_the_widest_rollout_of_the_run(tiny, qwen3_8b_dir, tmp_path):
+    """The held-out evaluation decodes num_eval x eval_k rows at once: the KV cache is planned for
+    them when they outnumber a step's rows (by hand: layers x rows per device x KV heads x head dim
+    x page-rounded tokens x (bf16 k and v + a float32 centroid per page))."""
+    from sparrow_jax.models import Qwen3Config
+    from sparrow_jax.run.memory_check import decode_rows, memory_plan, plan_settings
+
+    cfg = get_config()
+    cfg.model.hf_dir, cfg.task.dataset, cfg.workdir = qwen3_8b_dir, tiny[1], str(tmp_path / "run")
+    cfg.task.num_eval, cfg.eval_k = 32, 4
+    spec = parse_spec(cfg)
+    assert decode_rows(spec) == 128 and plan_settings(spec, 100).batch == 64
+    plan = memory_plan(Qwen3Config.preset("Qwen3-8B"), plan_settings(spec, 100), dict(data=1, fsdp=8, tensor=1),
+                       decode_rows(spec))
+    tokens = -(-(100 + 32768) // 16) * 16
+    assert plan["decode"]["kv_cache"] == pytest.approx(36 * (128 / 8) * 8 * 128 * tokens * (2 * 2 + 4 / 16))
+
+
 def test_missing_snapshot_or_columns_are_named(tiny, tmp_path):
     from sparrow_jax.run.memory_check import check_run_memory
 

@@ -11,6 +11,7 @@ device memory limit) it prints and does not refuse. ``dry_run=True`` stops the r
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Optional
 
@@ -21,8 +22,12 @@ from sparrow_jax.parallel.memory import GB, HBM_GB, PlanSettings, analytic_decod
 from sparrow_jax.run.specs import ConfigError, RunSpec
 
 
+# The end-of-run rollout-speedup measurement decodes 8 held-out prompts x 2 samples at once.
+SPEEDUP_ROWS = 16
+
+
 def plan_settings(spec: RunSpec, prompt_len: int) -> PlanSettings:
-    """What the run compiles: every rollout row of a step, its longest prompt plus the completion cap.
+    """What the train step compiles: every rollout row of a step, its longest prompt plus the completion cap.
 
     The train step takes ``1 / (mini_batches * micro_batches)`` of the rows at a time and returns the
     dense hidden states of all of them, which is the planner's ``micro_batches`` figure."""
@@ -30,6 +35,13 @@ def plan_settings(spec: RunSpec, prompt_len: int) -> PlanSettings:
     return PlanSettings(batch=r.prompts_per_step * r.group_size, prompt_len=int(prompt_len), gen_len=r.max_new_tokens,
                         remat=tr.remat, micro_batches=tr.mini_batches * tr.micro_batches,
                         bf16=spec.model.dtype == "bfloat16", page_size=spec.schedule.page_size)
+
+
+def decode_rows(spec: RunSpec) -> int:
+    """The most rows one rollout of the run decodes at once: a step's batch, the held-out
+    evaluation (``task.num_eval`` x ``eval_k``) or the speedup measurement."""
+    r = spec.rollout
+    return max(r.prompts_per_step * r.group_size, spec.task.num_eval * spec.eval_k, SPEEDUP_ROWS)
 
 
 def model_architecture(spec: RunSpec, vocab_size: int) -> Qwen3Config:
@@ -58,18 +70,21 @@ def longest_prompt(spec: RunSpec, tokenizer, task) -> int:
     return max(len(tokenizer.encode(task.format_prompt(row, tokenizer))) for row in rows)
 
 
-def memory_plan(config: Qwen3Config, settings: PlanSettings, mesh: dict[str, int]) -> dict[str, dict[str, float]]:
-    """``{"train": {part: bytes}, "decode": {part: bytes}}`` per device, each with a ``total``."""
-    return {"train": analytic_train(config, settings, mesh), "decode": analytic_decode(config, settings, mesh)}
+def memory_plan(config: Qwen3Config, settings: PlanSettings, mesh: dict[str, int],
+                rows_decoded: int) -> dict[str, dict[str, float]]:
+    """``{"train": {part: bytes}, "decode": {part: bytes}}`` per device, each with a ``total``;
+    the decode of ``rows_decoded`` rows at once."""
+    decode = dataclasses.replace(settings, batch=rows_decoded)
+    return {"train": analytic_train(config, settings, mesh), "decode": analytic_decode(config, decode, mesh)}
 
 
-def format_plan(plan: dict, config: Qwen3Config, settings: PlanSettings, mesh: dict[str, int],
+def format_plan(plan: dict, config: Qwen3Config, settings: PlanSettings, mesh: dict[str, int], rows_decoded: int,
                 device_bytes: Optional[float] = None) -> str:
     """The plan as a few lines: settings, per-step parts in GB, and which accelerators fit it."""
     names = list(HBM_GB)
     lines = [f"[memory] {config.num_params() / 1e9:.2f}B params, mesh {mesh}, {settings.batch} rows x "
-             f"({settings.prompt_len} prompt + {settings.gen_len} generated) tokens, "
-             f"{'bf16' if settings.bf16 else 'f32'} activations, remat={settings.remat}, "
+             f"({settings.prompt_len} prompt + {settings.gen_len} generated) tokens per step, {rows_decoded} rows "
+             f"decoded at once, {'bf16' if settings.bf16 else 'f32'} activations, remat={settings.remat}, "
              f"micro_batches x mini_batches={settings.micro_batches}",
              f"[memory] GB per device   {'params':>7} {'optim':>7} {'grads':>7} {'kv':>7} {'activ':>7} "
              f"{'gather':>7} {'total':>7}   fits " + " ".join(f"{n:>5}" for n in names)]
@@ -95,8 +110,9 @@ def refusal(plan: dict, spec: RunSpec, device_bytes: float) -> Optional[str]:
             f"--config.train.micro_batches (now {tr.micro_batches}: rows per pass / it)",
             f"--config.rollout.max_new_tokens (now {r.max_new_tokens})",
             f"more devices on mesh.fsdp / mesh.tensor (now {mesh_now})"],
-        "decode": [f"--config.rollout.prompts_per_step (now {r.prompts_per_step}) or --config.rollout.group_size "
-                   f"(now {r.group_size}): the rows decoded at once",
+        "decode": [f"the rows decoded at once: --config.rollout.prompts_per_step (now {r.prompts_per_step}) x "
+                   f"--config.rollout.group_size (now {r.group_size}), --config.task.num_eval (now "
+                   f"{spec.task.num_eval}) x --config.eval_k (now {spec.eval_k})",
                    f"--config.rollout.max_new_tokens (now {r.max_new_tokens})",
                    f"more devices on mesh.data / mesh.fsdp / mesh.tensor (now {mesh_now})"]}
     over = [step for step, parts in plan.items() if parts["total"] > device_bytes]
@@ -132,11 +148,11 @@ def check_run_memory(spec: RunSpec, device_bytes: Optional[float] = None, echo: 
     tokenizer = resolve_tokenizer(spec)
     config = model_architecture(spec, tokenizer.vocab_size)
     settings = plan_settings(spec, longest_prompt(spec, tokenizer, get_task(spec.task.name)))
-    plan = memory_plan(config, settings, mesh)
+    plan = memory_plan(config, settings, mesh, decode_rows(spec))
     if device_bytes is None and not spec.dry_run:
         device_bytes = device_memory_bytes()
     if echo and is_primary():
-        print(format_plan(plan, config, settings, mesh, device_bytes), flush=True)
+        print(format_plan(plan, config, settings, mesh, decode_rows(spec), device_bytes), flush=True)
     reason = refusal(plan, spec, device_bytes) if device_bytes is not None else None
     if reason is not None:
         raise ConfigError(reason)
