@@ -8,8 +8,9 @@ parquet of arithmetic word problems in verl's preprocessed schema.
     #    runs/tiny_qwen3/math.parquet  (16 rows: prompt as chat messages, reward_model.ground_truth)
 
 It prints the command that runs ``configs/qwen3_math.py`` on them at the tiny scale
-(:data:`TINY_OVERRIDES`, the ones ``tests/test_qwen3_math.py`` and ``docs/real_models.md`` use). The tokenizer is a byte-level BPE
-trained here on the problems and the template's text, with Qwen3's special tokens.
+(:data:`TINY_OVERRIDES`, the ones ``tests/test_qwen3_math.py`` and ``docs/real_models.md`` use).
+The tokenizer is a byte-level BPE trained here on the problems and the template's text, with
+Qwen3's special tokens.
 """
 from __future__ import annotations
 

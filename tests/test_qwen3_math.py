@@ -168,3 +168,10 @@ def test_dataset_columns_ours_verl_and_raw(tmp_path):
     empty.write_text(json.dumps({"problem": "", "answer": "1"}) + "\n")
     with pytest.raises(ValueError, match=r"row 0 has an empty 'problem' \(prompt\)"):
         load_examples(str(empty))
+
+
+def test_the_docs_command_is_the_tests_overrides():
+    doc = open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "real_models.md")).read()
+    command = " ".join(doc.split("python -m experiments.make_tiny_qwen3 runs/tiny_qwen3\n", 1)[1].split("```")[0].split())
+    for key, value in TINY_OVERRIDES.items():
+        assert f"--config.{key}={value} " in command + " ", key

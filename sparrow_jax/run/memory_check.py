@@ -83,7 +83,8 @@ def format_plan(plan: dict, config: Qwen3Config, settings: PlanSettings, mesh: d
     """The plan as a few lines: settings, per-step parts in GB, and which accelerators fit it."""
     names = list(HBM_GB)
     n = config.num_params()
-    lines = [f"[memory] {f'{n / 1e9:.2f}B' if n >= 1e8 else f'{n / 1e6:.2f}M'} params, mesh {mesh}, {settings.batch} rows x "
+    size = f"{n / 1e9:.2f}B" if n >= 1e8 else f"{n / 1e6:.2f}M"
+    lines = [f"[memory] {size} params, mesh {mesh}, {settings.batch} rows x "
              f"({settings.prompt_len} prompt + {settings.gen_len} generated) tokens per step, {rows_decoded} rows "
              f"decoded at once, {'bf16' if settings.bf16 else 'f32'} activations, remat={settings.remat}, "
              f"micro_batches x mini_batches={settings.micro_batches}",
