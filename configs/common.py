@@ -174,6 +174,7 @@ def base_config() -> ConfigDict:
     c.eval_every = 0  # steps between evaluations (0: only at the end)
     c.eval_k = 4  # samples per eval prompt for mean@k / pass@k
     c.tokenizer = "builtin"  # builtin | path to a HF tokenizer directory
+    c.dry_run = False  # print the run's memory plan for its mesh and stop before loading weights
     c.model = model_config()
     c.task = task_config()
     c.schedule = schedule_config()

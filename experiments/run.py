@@ -17,6 +17,9 @@ _CONFIG = config_flags.DEFINE_config_file("config", None, "run config file (conf
 def main(spec):
     from sparrow_jax.parallel import initialize_distributed
     initialize_distributed()  # multi-host only when configured (JAX_COORDINATOR_ADDRESS / SPARROW_DISTRIBUTED)
+    from sparrow_jax.run.memory_check import check_run_memory
+    if check_run_memory(spec):  # prints the memory plan, refuses one that cannot fit; True: a dry run
+        return
     from sparrow_jax.run.pipeline import run_pipeline  # deferred: keeps --help fast
     run_pipeline(spec)
 

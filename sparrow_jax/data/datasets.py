@@ -63,14 +63,14 @@ def _data_files(path: str) -> tuple[str, list[str]]:
     return _FORMATS[ext], [path]
 
 
-def load_prompt_dataset(path: str, prompt_column: str = "prompt", answer_column: str | None = "answer",
+def load_prompt_dataset(path: str, prompt_column: str | None = "prompt", answer_column: str | None = "answer",
                         split: str | None = None):
     """Load a local parquet / jsonl / json file (or a directory of them) as a ``datasets.Dataset``.
 
     ``prompt_column`` / ``answer_column`` are renamed to ``prompt`` / ``answer`` so task code
-    reads one schema; ``answer_column=None`` means no answer is needed. ``split`` is passed to
-    ``datasets.load_dataset`` (default ``"train"``, the only split of local files; slicing such as
-    ``"train[:100]"`` works).
+    reads one schema; a column of None is not looked for (``answer_column=None``: no answer needed).
+    ``split`` is passed to ``datasets.load_dataset`` (default ``"train"``, the only split of local
+    files; slicing such as ``"train[:100]"`` works).
     """
     import datasets
 
@@ -89,6 +89,48 @@ def load_prompt_dataset(path: str, prompt_column: str = "prompt", answer_column:
                                  f"a column {role!r} already exists; columns present: {columns}")
             renames[col] = role
     return ds.rename_columns(renames) if renames else ds
+
+
+# Column names of the prompt and the answer, in the order they are looked for: ours, verl's data
+# preprocessors (``prompt`` as chat messages, ``reward_model.ground_truth``), and common raw schemas.
+PROMPT_COLUMNS = ("prompt", "question", "problem")
+ANSWER_COLUMNS = ("answer", "reward_model.ground_truth", "ground_truth")
+
+
+def _column_value(row: dict[str, Any], column: str) -> Any:
+    """``row[column]``, a dotted column reading a field of a struct column (``reward_model.ground_truth``)."""
+    value: Any = row
+    for part in column.split("."):
+        value = value.get(part) if isinstance(value, dict) else None
+    return value
+
+
+def load_examples(path: str) -> list[dict[str, Any]]:
+    """Rows of a local prompt file as task examples with ``prompt`` and ``answer`` keys.
+
+    ``prompt``: the first of :data:`PROMPT_COLUMNS` present (a string, or verl's list of chat
+    messages ``[{"role", "content"}]``); ``answer``: the first of :data:`ANSWER_COLUMNS` present
+    (a dotted name reads a struct column). The other columns are kept as they are. A file with
+    neither column, or a row whose value is empty, raises naming the file, the row and the columns.
+    """
+    ds = load_prompt_dataset(path, prompt_column=None, answer_column=None)
+    columns = list(ds.column_names)
+    rows = [dict(r) for r in ds]
+    picked = {}
+    for role, names in (("prompt", PROMPT_COLUMNS), ("answer", ANSWER_COLUMNS)):
+        found = [n for n in names if n.split(".")[0] in columns and (
+            "." not in n or rows and _column_value(rows[0], n) is not None)]
+        if not found:
+            raise KeyError(f"prompt dataset {path!r}: no {role} column (looked for {list(names)}); "
+                           f"columns present: {columns}")
+        picked[role] = found[0]
+    for i, row in enumerate(rows):
+        for role, column in picked.items():
+            value = _column_value(row, column)
+            if value is None or (isinstance(value, (str, list)) and not value):
+                raise ValueError(f"prompt dataset {path!r}: row {i} has an empty {column!r} ({role})")
+            row[role] = value if role == "prompt" else str(value)
+    return rows
 
 
 class PromptIterator:

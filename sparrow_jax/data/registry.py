@@ -107,8 +107,13 @@ MATH_TEMPLATE = "{problem}\nPlease reason step by step, and put your final answe
 
 
 def math_prompt(example: dict, tokenizer: "Tokenizer") -> str:
-    """The problem (``example['prompt']``) with the \\boxed{} instruction, as a user chat turn."""
-    return chat_prompt(MATH_TEMPLATE.format(problem=example["prompt"]), tokenizer)
+    """``example['prompt']`` through the chat template, generation prompt added: a problem string
+    with the \\boxed{} instruction as a user turn, or chat messages (verl's preprocessed schema,
+    whose own instruction must ask for a \\boxed{} answer: the reward reads the last one) as they are."""
+    prompt = example["prompt"]
+    if isinstance(prompt, (list, tuple)):
+        return tokenizer.apply_chat_template(list(prompt), add_generation_prompt=True)
+    return chat_prompt(MATH_TEMPLATE.format(problem=prompt), tokenizer)
 
 
 def pointer_chase_partial_score(completion: str, example: dict) -> float:

@@ -194,6 +194,7 @@ class RunSpec:
     distill: DistillSpec
     mesh: MeshSpec
     study: Optional[StudySpec] = None  # optional block: run the dense / calibrated / aggressive study
+    dry_run: bool = False  # print the memory plan and stop (sparrow_jax.run.memory_check)
 
 
 # ---- parsing -------------------------------------------------------------------------------

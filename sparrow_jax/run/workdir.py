@@ -20,8 +20,9 @@ from sparrow_jax.run.specs import RunSpec
 
 CONFIG_FILE = "config.json"
 # Fields a continued run may change: where it lives, how long it runs (more steps extend it), how
-# often it saves and evaluates, and the device mesh it runs on (checkpoints restore resharded).
-CONTINUABLE = ("workdir", "steps", "checkpoint_every", "keep_checkpoints", "eval_every", "mesh")
+# often it saves and evaluates, the device mesh it runs on (checkpoints restore resharded), and
+# dry_run (a dry run stops before the workdir is touched).
+CONTINUABLE = ("workdir", "steps", "checkpoint_every", "keep_checkpoints", "eval_every", "mesh", "dry_run")
 
 
 def run_state(workdir: str) -> list[str]:
