@@ -6,7 +6,7 @@ once the warm-up is cached (the first run trains it: a few minutes more).
 """
 from ml_collections import ConfigDict
 
-from configs.common import base_config
+from configs.common import base_config, warmup_config
 
 
 def get_config():
@@ -20,9 +20,10 @@ def get_config():
     # Warm-up SFT settings (sparrow_jax.sft.warmup.WarmupSettings); the RL trainer reads them too.
     # prompt_weight 0.3: the records' NLL also trains the copy (induction) heads; measured at 600
     # steps, greedy accuracy at 64/128/256 tokens 42/36/16% with it vs 16/22/9% without.
-    c.model.warmup = ConfigDict(dict(steps=800, batch_size=32, lr=3e-3, min_context=32, max_train_context=128,
-                                     train_hops=3, queries_per_example=4, prompt_weight=0.3, seed=0,
-                                     cache_dir="runs/cache"))
+    c.model.warmup = warmup_config()
+    c.model.warmup.update(dict(steps=800, batch_size=32, lr=3e-3, min_context=32, max_train_context=128,
+                               train_hops=3, queries_per_example=4, prompt_weight=0.3, seed=0,
+                               cache_dir="runs/cache"))
     c.task.context_tokens = 256  # the warm-up trains on <= 128 and generalises (accuracy table)
     c.task.hops = 1
     c.schedule.page_size = 16

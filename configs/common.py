@@ -3,8 +3,9 @@
 A run config file defines ``get_config()`` returning :func:`base_config` with fields
 overridden; ``python -m experiments.run --config configs/x.py --config.steps=5`` overrides
 any field from the command line. :func:`sparrow_jax.run.specs.parse_spec` parses and checks them once (a field
-that no spec reads is an error). The optional blocks ``model.warmup`` (warm-up SFT settings,
-see configs/calibrate_tiny.py) and ``study`` (configs/study_tiny.py) are added where used.
+that no spec reads is an error). The optional blocks ``model.warmup`` (:func:`warmup_config`,
+warm-up SFT settings) and ``study`` (:func:`study_config`) are added where used. docs/configs.md
+lists every field with its default and comment (``python -m experiments.config_reference``).
 """
 from __future__ import annotations
 
@@ -18,9 +19,49 @@ def model_config() -> ConfigDict:
         dtype="float32",  # compute dtype: float32 | bfloat16
         param_dtype="float32",  # parameter storage dtype
         tiny=ConfigDict(dict(  # Qwen3 architecture of the tiny model (source tiny / warmup); vocab: the tokenizer's
-            hidden_size=128, num_hidden_layers=4, num_attention_heads=4,
-            num_key_value_heads=2, head_dim=32, intermediate_size=256, tie_word_embeddings=True,
-            rope_theta=10000.0, max_position_embeddings=8192)),
+            hidden_size=128,  # residual stream width
+            num_hidden_layers=4,  # decoder layers
+            num_attention_heads=4,  # query heads
+            num_key_value_heads=2,  # KV heads (grouped-query attention: query heads share them)
+            head_dim=32,  # width of one attention head
+            intermediate_size=256,  # MLP hidden width
+            tie_word_embeddings=True,  # the unembedding reuses the token embedding
+            rope_theta=10000.0,  # rotary position embedding base
+            max_position_embeddings=8192,  # longest sequence (prompt + completion) the model accepts
+        )),
+    ))
+
+
+def warmup_config() -> ConfigDict:
+    """Optional block ``model.warmup`` (model.source warmup): the warm-up SFT's settings
+    (sparrow_jax.sft.warmup.WarmupSettings, whose defaults these are; a test checks) and its cache."""
+    return ConfigDict(dict(
+        steps=800,  # optimiser steps of the main phase
+        batch_size=32,  # rows per step
+        lr=3e-3,  # peak AdamW learning rate
+        warmup_frac=0.05,  # share of steps of linear learning-rate warm-up before the cosine decay
+        weight_decay=0.01,  # AdamW weight decay
+        max_grad_norm=1.0,  # global-norm gradient clipping
+        min_context=32,  # shortest context drawn for training rows (tokens)
+        train_hops=3,  # training rows draw their hop count from [1, max(task.hops, train_hops)]
+        queries_per_example=4,  # questions per training example about its records
+        max_train_context=128,  # longest training context (tokens); evaluation also runs past it
+        prompt_weight=0.0,  # weight of the prompt tokens' NLL next to the reference's (0: reference only)
+        seed=0,  # parameter init and training-data seed
+        max_train_hops=0,  # cap on training hop counts (0: no cap)
+        final_frac=0.0,  # last share of the steps trained on the task's own context and hops (0: none)
+        final_batch_size=4,  # rows per step of that final phase
+        curriculum=(),  # stages ((steps, max_context, max_hops, batch_size), ...) before the final phase
+        refine_steps=0,  # steps of a warm restart on the task's own rows after the main phase (0: none)
+        refine_lr=1e-3,  # peak learning rate of the refine run
+        refine_batch_size=4,  # rows per refine step
+        preamble_steps=0,  # steps of a run on rows with task.preamble_tokens after the warm-up without (0: none)
+        preamble_lr=1e-3,  # peak learning rate of the preamble run
+        preamble_batch_size=4,  # rows per preamble step
+        cache_dir="runs/cache",  # parent of the warmup-<hash> cache directories (not in the hash)
+        eval_lengths=(),  # context lengths of the final greedy-accuracy table (empty: a default spread)
+        eval_hops=(),  # trace lengths of an accuracy table at task.context_tokens (empty: none)
+        eval_prompts=64,  # held-out prompts per accuracy table entry
     ))
 
 
@@ -54,7 +95,7 @@ def schedule_config() -> ConfigDict:
         reserved_last=2,  # always-kept last pages (current and previous)
         dense_layers=(0,),  # layers that stay dense (paper: (0, 1); tiny models keep one)
         selector="centroid",  # centroid | quest
-        impl="auto",  # sparse attention implementation: auto | reference | xla | cpu | pallas_tpu | pallas_gpu
+        impl="auto",  # sparse attention implementation: auto | reference | xla | cpu | pallas_tpu | pallas_gpu | triton
         cost_hardware="H200",  # hardware of the logged predicted rollout cost vs dense (cost_model.HARDWARE key)
         online=online_schedule_config(),  # kind online: the per-bin p5 controller (rollout/schedule_control.py)
     ))
@@ -182,5 +223,20 @@ def base_config() -> ConfigDict:
     c.calibration = calibration_config()
     c.train = train_config()
     c.distill = distill_config()
-    c.mesh = ConfigDict(dict(data=1, fsdp=1, tensor=1))  # device mesh; product = device count
+    c.mesh = ConfigDict(dict(  # device mesh (sparrow_jax.parallel.mesh); product = device count
+        data=1,  # data-parallel axis: batch rows split, parameters replicated
+        fsdp=1,  # fully sharded axis: batch rows and parameters / optimiser state split
+        tensor=1,  # tensor-parallel axis: attention heads and MLP units split
+    ))
     return c
+
+
+def study_config() -> ConfigDict:
+    """Optional block ``study``: run the arms one after another with the same seeds, each in
+    ``<workdir>/<arm>``, and compare them in ``<workdir>/report.json`` and ``study.png``."""
+    return ConfigDict(dict(
+        aggressive_topk=1,  # top-k pages of the aggressive fixed-budget arm (plus the reserved pages)
+        # any of sparrow_jax.run.specs.STUDY_ARMS; online_*: schedule.kind online started dense, at
+        # the aggressive budget, or calibrated with DistillSparse
+        arms=("dense", "calibrated", "aggressive"),  # arms run, in order
+    ))

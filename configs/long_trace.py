@@ -21,7 +21,7 @@ the run; calibration.json holds the budget x bin table.
 """
 from ml_collections import ConfigDict
 
-from configs.common import base_config
+from configs.common import base_config, warmup_config
 
 
 def get_config():
@@ -37,7 +37,8 @@ def get_config():
     # NLL ~0.15 by step 200, ~0.01 once the values are right); rows then grow 2x per stage so the
     # model keeps it at new positions, and the last 100 steps train on the task's own rows.
     # Rows with tens of records from the start never left the uniform-over-records plateau.
-    c.model.warmup = ConfigDict(dict(
+    c.model.warmup = warmup_config()
+    c.model.warmup.update(dict(
         steps=1800, batch_size=32, lr=3e-3, min_context=16, max_train_context=80, max_train_hops=8,
         queries_per_example=1, prompt_weight=0.3, final_frac=100 / 1800, final_batch_size=2, seed=0,
         curriculum=((800, 32, 3, 32), (300, 64, 6, 32), (250, 128, 12, 24), (200, 256, 24, 12), (150, 512, 48, 6)),

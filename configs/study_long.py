@@ -10,8 +10,7 @@ p5 per bin per sparse arm; top-k per bin per online arm) and report.json (per ar
 start/end, min per-bin p5, rollout seconds, predicted cost vs dense; the online arms' final
 budgets and p5_hold). The calibration is long_trace's (same model, task and bins).
 """
-from ml_collections import ConfigDict
-
+from configs.common import study_config
 from configs.long_trace import get_config as long_trace_config
 
 
@@ -21,8 +20,8 @@ def get_config():
     c.steps = 12
     c.checkpoint_every = 6
     c.calibration.tau = 0.86
-    c.study = ConfigDict(dict(
-        aggressive_topk=16,  # top-k pages of the aggressive arm (256 tokens + 3 kept pages)
-        arms=("dense", "calibrated", "aggressive", "online_dense", "online_aggressive", "online_distill")))
+    c.study = study_config()
+    c.study.aggressive_topk = 16  # top-k pages of the aggressive arm (256 tokens + 3 kept pages)
+    c.study.arms = ("dense", "calibrated", "aggressive", "online_dense", "online_aggressive", "online_distill")
     c.schedule.online.tau = c.calibration.tau
     return c

@@ -10,8 +10,7 @@ top-k of 1 page (plus the 3 reserved ones). Writes ``runs/study_tiny/study.png``
 alpha and rollout seconds per step, and each sparse arm's p5 per bin) and ``report.json`` with
 the per-arm table.
 """
-from ml_collections import ConfigDict
-
+from configs.common import study_config
 from configs.long_trace import get_config as long_trace_config
 
 
@@ -19,5 +18,6 @@ def get_config():
     c = long_trace_config()
     c.workdir = "runs/study_tiny"
     c.steps = 20
-    c.study = ConfigDict(dict(aggressive_topk=1))  # top-k pages of the aggressive arm
+    c.study = study_config()
+    c.study.aggressive_topk = 1  # top-k pages of the aggressive arm
     return c

@@ -1,5 +1,7 @@
-"""Execute the colab notebooks headless on CPU in tiny mode (network cells skipped)."""
+"""Execute the colab notebooks headless on CPU in tiny mode (network cells skipped); the install
+cell's search for the project (folder or uploaded zip) runs on its own, without its shell lines."""
 import os
+import zipfile
 
 import nbformat
 import pytest
@@ -37,3 +39,29 @@ def test_notebook_runs_headless(name, tmp_path, monkeypatch):
         assert '"rollout_speedup"' in text and os.path.exists(tmp_path / "work" / "report.json")
     else:
         assert "scorer vs sampler max |dlogp|" in text and "bin " in text
+        assert "text prompts:" in text and "completion 0:" in text  # the tokenizer's path, not random ids
+
+
+def _find_project_code(name):
+    """The install cell's Python lines (IPython ``%`` / ``!`` lines dropped)."""
+    nb = nbformat.read(os.path.join(ROOT, "colab", name), as_version=4)
+    cell = next(c for c in nb.cells if "network" in c.get("metadata", {}).get("tags", []))
+    return "\n".join(line for line in cell.source.splitlines() if not line.lstrip().startswith(("%", "!")))
+
+
+@pytest.mark.parametrize("name", ["quickstart.ipynb", "qwen3_sparse_rollout.ipynb"])
+def test_install_cell_finds_the_project(name, tmp_path, monkeypatch):
+    code = _find_project_code(name).split("from huggingface_hub")[0]
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(FileNotFoundError, match="sparrow-jax.zip"):  # nothing here: says what to upload
+        exec(code, {})
+    with zipfile.ZipFile(tmp_path / "sparrow-jax.zip", "w") as z:  # an uploaded `git archive --prefix` copy
+        z.writestr("sparrow-jax/setup.py", "")
+        z.writestr("sparrow-jax/sparrow_jax/__init__.py", "")
+    scope = {}
+    exec(code, scope)
+    assert scope["PROJECT"] == str(tmp_path / "sparrow-jax-unzipped" / "sparrow-jax")
+    monkeypatch.chdir(tmp_path / "sparrow-jax-unzipped" / "sparrow-jax" / "sparrow_jax")  # opened inside it
+    scope = {}
+    exec(code, scope)
+    assert scope["PROJECT"] == str(tmp_path / "sparrow-jax-unzipped" / "sparrow-jax")
