@@ -125,7 +125,7 @@ def plot_study(arms: dict[str, list], path: str) -> None:
             topk = _bin_series(hist, "schedule/topk/bin_")
             panels.append((f"top-k per bin: {a}", "pages", {f"bin {b}": (steps[a], topk[b]) for b in used
                                                              if b in topk}))
-    plot_panels(panels, path, columns=4)
+    plot_panels([p for p in panels if p[2]], path, columns=4)  # an arm without binned tokens has no panel
 
 
 def finished_arm(arm_spec: RunSpec) -> Optional[dict]:
