@@ -170,7 +170,7 @@ def base_config() -> ConfigDict:
     c.steps = 10  # RL steps
     c.checkpoint_every = 5  # steps between checkpoints
     c.keep_checkpoints = 2  # checkpoints kept
-    c.eval_every = 0  # steps between dense / sparse validations, also run at step 0 and the end (0: steps // 4)
+    c.eval_every = 0  # steps between dense / sparse validations, also run at step 0 and the end (0: steps // 3)
     c.eval_k = 4  # samples per held-out prompt for val/*/reward_mean@k and success@k
     c.tokenizer = "builtin"  # builtin | path to a HF tokenizer directory
     c.model = model_config()

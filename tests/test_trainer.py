@@ -303,7 +303,7 @@ def test_loop_state_resumes_exactly(tmp_path):
     losses, rewards and final loop state (policy, LoRA, optimiser moments, data position, key),
     and the same report figures rebuilt from each workdir's logs. Validation runs at step 0
     (before any update: the initial policy with dense attention, and the sparse actor at the
-    schedule) and after every step (eval_every 0 on 2 steps), and each step's logged alpha
+    schedule) and after every step (eval_every 0 on 2 steps: every step), and each step's logged alpha
     histogram holds the step's tokens of each bin."""
     from sparrow_jax.io.metrics import read_histograms, read_metrics
     from sparrow_jax.rl.trainer import VALIDATION_KEY, evaluate, train

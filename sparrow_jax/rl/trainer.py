@@ -163,9 +163,9 @@ VALIDATION_KEY = 10**6  # folded into the run's key: validation never draws a tr
 
 
 def eval_interval(steps: int, eval_every: int) -> int:
-    """Steps between validations: ``eval_every``, or when 0 a quarter of the run (>= 4 points
-    besides step 0 for runs of >= 4 steps)."""
-    return eval_every or max(1, steps // 4)
+    """Steps between validations: ``eval_every``, or when 0 a third of the run (with step 0 and
+    the last step, >= 4 points for runs of >= 3 steps)."""
+    return eval_every or max(1, steps // 3)
 
 
 def validation(loop: Loop, state: LoopState) -> dict[str, float]:
