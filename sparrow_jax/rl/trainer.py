@@ -171,8 +171,8 @@ def eval_interval(steps: int, eval_every: int) -> int:
 def validation(loop: Loop, state: LoopState) -> dict[str, float]:
     """``val/dense/*``: the policy with dense attention; ``val/sparse/*``: the sparse actor (with the
     LoRA under DistillSparse) at its current schedule (absent for dense rollouts); both on the
-    held-out prompts with the same fixed key (:func:`evaluate`)."""
-    spec, ctx = loop.spec, loop.ctx
+    held-out prompts with the same fixed key (:func:`evaluate`); ``timing_s/validation``."""
+    spec, ctx, t0 = loop.spec, loop.ctx, time.perf_counter()
     key = jax.random.fold_in(state.key, VALIDATION_KEY)
     out = {f"val/dense/{k}": v for k, v in evaluate(ctx, state.train.params, None, ctx.eval_rows, spec.eval_k, key,
                                                      loop.pool).items()}
@@ -180,7 +180,7 @@ def validation(loop: Loop, state: LoopState) -> dict[str, float]:
     if schedule is not None:
         out.update({f"val/sparse/{k}": v for k, v in evaluate(ctx, actor_params(loop, state), schedule,
                                                                ctx.eval_rows, spec.eval_k, key, loop.pool).items()})
-    return out
+    return {**out, "timing_s/validation": time.perf_counter() - t0}
 
 
 def actor_tail(ctx: RunContext, params, actor_params, examples, schedule, tau: float, key, samples: int = 2) -> dict:
