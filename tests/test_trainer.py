@@ -182,7 +182,7 @@ def test_sigkill_mid_run_then_resume_finishes_and_a_rerun_touches_nothing(tmp_pa
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     proc = _run(workdir, steps=6)
-    out, _ = proc.communicate(timeout=300)
+    out, _ = proc.communicate(timeout=900)
     assert proc.returncode == 0, out
     assert "resumed from checkpoint at step" in out
     steps = [json.loads(line)["step"] for line in open(workdir / "metrics.jsonl")]
@@ -199,7 +199,7 @@ def test_sigkill_mid_run_then_resume_finishes_and_a_rerun_touches_nothing(tmp_pa
     assert 0 < paired["min"] <= paired["median"] == report["rollout_speedup"] <= paired["max"]
     files = {p: (p.read_bytes(), p.stat().st_mtime_ns) for p in workdir.rglob("*") if p.is_file()}
     proc = _run(workdir, steps=6)
-    out, _ = proc.communicate(timeout=300)
+    out, _ = proc.communicate(timeout=900)
     assert proc.returncode == 0, out
     assert "has finished its 6 steps" in out and json.dumps(report["val_dense"]) in out
     assert {p: (p.read_bytes(), p.stat().st_mtime_ns) for p in workdir.rglob("*") if p.is_file()} == files
