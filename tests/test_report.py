@@ -44,7 +44,7 @@ def _hist(values):
 
 def test_pooled_p5_worst_step_and_hold_fraction():
     good, bad = np.linspace(0.9, 1.0, 300), np.linspace(0.2, 1.0, 100)
-    rows = [_row(1, {0: (np.percentile(good, 5), 300, good.mean()), 148: (0.95, 10, 0.97)}),
+    rows = [_row(1, {0: (np.percentile(good, 5), 300, good.mean()), 148: (0.95, 10, 0.97), 296: (np.nan, 0, np.nan)}),
             _row(2, {0: (np.percentile(bad, 5), 100, bad.mean())})]
     hists = [(1, {0: _hist(good), 148: _hist(np.full(10, 0.95))}), (2, {0: _hist(bad)}),
              (3, {0: _hist(np.zeros(50))})]  # a step beyond the logged ones (a run cut short): ignored

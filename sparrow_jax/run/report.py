@@ -91,10 +91,13 @@ def pooled_p5_by_bin(rows: list[dict], histograms: list[tuple[int, dict]], q: fl
 
 
 def p5_min_step_by_bin(rows: list[dict], min_count: float) -> list[dict]:
-    """Per bin, its worst step: ``{"bin_start", "p5", "step"}`` of the lowest per-step p5 among the
-    steps that gave the bin >= ``min_count`` tokens (p5 / step None if no step did)."""
+    """Per bin that received tokens, its worst step: ``{"bin_start", "p5", "step"}`` of the lowest
+    per-step p5 among the steps that gave the bin >= ``min_count`` tokens (p5 / step None if no
+    step did)."""
     out = []
     for b, cells in _bin_cells(rows).items():
+        if not cells:
+            continue
         full = [(p5, step) for step, p5, n, _ in cells if n >= min_count]
         p5, step = min(full) if full else (None, None)
         out.append({"bin_start": b, "p5": p5, "step": step})
