@@ -212,8 +212,8 @@ def base_config() -> ConfigDict:
     c.steps = 10  # RL steps
     c.checkpoint_every = 5  # steps between checkpoints
     c.keep_checkpoints = 2  # checkpoints kept
-    c.eval_every = 0  # steps between evaluations (0: only at the end)
-    c.eval_k = 4  # samples per eval prompt for mean@k / pass@k
+    c.eval_every = 0  # steps between dense / sparse validations, also run at step 0 and the end (0: steps // 3)
+    c.eval_k = 4  # samples per held-out prompt for val/*/reward_mean@k and success@k
     c.tokenizer = "builtin"  # builtin | path to a HF tokenizer directory
     c.dry_run = False  # print the run's memory plan for its mesh and stop before loading weights
     c.model = model_config()

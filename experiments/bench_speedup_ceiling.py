@@ -13,13 +13,14 @@ same params and key, alternating ``--repeats`` times after one untimed run each:
 
 Stop tokens are ignored, so every side decodes ``rollout.max_new_tokens`` tokens per row at the
 same positions: the sides differ only in what attention costs, not in how long their samples
-happen to be (the run's report times natural lengths instead). Params: the policy of the newest
-checkpoint under ``<workdir>/checkpoints``, else (or with ``--initial``) the run's initial model.
+happen to be (the timing loop is the run's report's, :mod:`sparrow_jax.run.speed`). Params: the
+policy of the newest checkpoint under ``<workdir>/checkpoints``, else (or with ``--initial``) the
+run's initial model.
 
 The last stdout line is JSON: per side the best and median decode tokens/s and the mean pages a
-token attends, ``rollout_speedup`` / ``speedup_ceiling`` (best over best, as in the run's report)
-with the paired spread, and ``captured``: the share of the ceiling's gain the schedule gets,
-(speedup - 1) / (ceiling - 1).
+token attends, ``rollout_speedup`` / ``speedup_ceiling`` (the median of paired ratios, as in the
+run's report) with the paired spread, and ``captured``: the share of the ceiling's gain the
+schedule gets, (speedup - 1) / (ceiling - 1).
 """
 from __future__ import annotations
 
@@ -77,29 +78,10 @@ def attended_pages(schedule, prompt_lens: np.ndarray, new_tokens: int, dense: bo
     return float(np.minimum(visible, schedule.topk_at(t - 1) + schedule.reserved).mean())
 
 
-def time_sides(ctx, params, prompts: list, sampling, sides: dict, repeats: int, key) -> dict[str, list[float]]:
-    """Decode tokens/s of each side's rollout of ``prompts``, ``repeats`` alternating runs after an
-    untimed one (which compiles every shape the timed runs use: same key, same lengths)."""
-    from sparrow_jax.rollout import generate_continuous
-
-    def run(schedule):
-        out = generate_continuous(ctx.model_config, params, prompts, key, sampling, schedule=schedule,
-                                  impl=ctx.impl, pad_id=ctx.tokenizer.pad_id)
-        return out.stats["decode_tokens"] / max(out.stats["decode_s"], 1e-9)
-
-    for schedule in sides.values():
-        run(schedule)
-    tok_s = {name: [] for name in sides}
-    for _ in range(repeats):
-        for name, schedule in sides.items():
-            tok_s[name].append(run(schedule))
-    return tok_s
-
-
 def ceiling_summary(tok_s: dict[str, list[float]], pages: dict[str, float]) -> dict:
-    """``rollout_speedup`` (sparse vs dense) and ``speedup_ceiling`` (floor vs dense), each best over
-    best with the paired spread (:func:`speedup_summary`), and the share of the ceiling captured."""
-    from sparrow_jax.run.pipeline import speedup_summary
+    """``rollout_speedup`` (sparse vs dense) and ``speedup_ceiling`` (floor vs dense), each the median
+    of paired ratios with their spread (:func:`speedup_summary`), and the share of the ceiling captured."""
+    from sparrow_jax.run.speed import speedup_summary
 
     sparse = speedup_summary(tok_s["dense"], tok_s["sparse"])
     floor = speedup_summary(tok_s["dense"], tok_s["floor"])
@@ -118,6 +100,7 @@ def measure_ceiling(spec, repeats: int = 7, num_prompts: int = 8, samples: int =
     docstring); returns the summary printed as JSON."""
     from sparrow_jax.run.context import build_run_context, build_schedule
     from sparrow_jax.run.specs import ConfigError
+    from sparrow_jax.run.speed import time_sides
 
     schedule = build_schedule(spec.schedule, spec.workdir)
     if schedule is None:
@@ -127,14 +110,14 @@ def measure_ceiling(spec, repeats: int = 7, num_prompts: int = 8, samples: int =
     source = "initial" if params is None else "checkpoint"
     params = ctx.params if params is None else params
     prompts = [ctx.encode(e) for e in ctx.eval_rows[:num_prompts] for _ in range(samples)]
-    sampling = dataclasses.replace(ctx.sampling, stop_ids=())  # every row decodes max_new_tokens
     sides = {"dense": None, "sparse": schedule, "floor": dataclasses.replace(schedule, topk=(0,), name="floor")}
-    tok_s = time_sides(ctx, params, prompts, sampling, sides, repeats, jax.random.PRNGKey(spec.seed + 1))
+    tok_s, _ = time_sides(ctx, params, prompts, sides, repeats, jax.random.PRNGKey(spec.seed + 1))
     prompt_lens = np.asarray([len(p) for p in prompts])
-    pages = {name: attended_pages(s or schedule, prompt_lens, sampling.max_new_tokens, dense=s is None)
+    new_tokens = ctx.sampling.max_new_tokens
+    pages = {name: attended_pages(s or schedule, prompt_lens, new_tokens, dense=s is None)
              for name, s in sides.items()}
     return {**ceiling_summary(tok_s, pages),
-            "setup": dict(workdir=spec.workdir, params=source, rows=len(prompts), new_tokens=sampling.max_new_tokens,
+            "setup": dict(workdir=spec.workdir, params=source, rows=len(prompts), new_tokens=new_tokens,
                           repeats=repeats, schedule=schedule.name, backend=jax.default_backend())}
 
 

@@ -30,20 +30,6 @@ def test_sparse_token_fraction_by_hand():
     assert sparse_token_fraction(s, np.array([8]), np.array([8])) == 0.0
 
 
-def test_report_p5_by_bin_pools_steps_by_tokens():
-    from sparrow_jax.run.pipeline import p5_by_bin
-
-    history = [{"mismatch/alpha_p5/bin_0": 0.9, "mismatch/alpha_mean/bin_0": 0.99, "mismatch/count/bin_0": 100.0,
-                "mismatch/alpha_p5/bin_128": 0.5, "mismatch/alpha_mean/bin_128": 0.9, "mismatch/count/bin_128": 10.0},
-               {"mismatch/alpha_p5/bin_0": 0.6, "mismatch/alpha_mean/bin_0": 0.95, "mismatch/count/bin_0": 300.0,
-                "mismatch/count/bin_128": 0.0}]
-    got = p5_by_bin(history)
-    assert [r["bin_start"] for r in got] == [0, 128]
-    assert got[0]["p5"] == pytest.approx((0.9 * 100 + 0.6 * 300) / 400) and got[0]["count"] == 400
-    assert got[0]["mean"] == pytest.approx((0.99 * 100 + 0.95 * 300) / 400)
-    assert got[1] == {"bin_start": 128, "p5": 0.5, "mean": 0.9, "count": 10}
-
-
 def test_calibration_prompt_lengths_spread_or_constant():
     from configs.long_trace import get_config
     from sparrow_jax.run.calibration import context_lengths

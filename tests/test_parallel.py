@@ -241,7 +241,7 @@ _CHILD = textwrap.dedent(
         if mesh is not None:  # the step keeps the layout: the next step reuses the compiled program
             info["shardings_kept"] = all(x.sharding.is_equivalent_to(s, x.ndim)
                                          for x, s in zip(jax.tree.leaves(new), jax.tree.leaves(want)))
-        return new, {k: float(v) for k, v in metrics.items()}, info
+        return new, {k: float(v) for k, v in metrics.items() if np.ndim(v) == 0}, info  # scalars (not histograms)
 
     out = {"train": {}, "generate": {}}
     ref_state, ref_metrics, _ = run_step(None)

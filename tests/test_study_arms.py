@@ -1,10 +1,12 @@
-"""Study arms: each arm's run spec, the config check of study.arms, and the p5-hold summary."""
+"""Study arms: each arm's run spec, the config check of study.arms, the p5-hold summary, and a
+rerun that resumes at the first unfinished arm."""
+import json
 import math
 
 import pytest
 
-from sparrow_jax.run.pipeline import _arm_spec, p5_hold, paired_reward_diff
 from sparrow_jax.run.specs import ConfigError, parse_spec
+from sparrow_jax.run.study import _arm_spec, p5_hold, paired_reward_diff
 
 
 def _study_spec(arms=None):
@@ -55,17 +57,20 @@ def test_p5_hold_finds_the_first_step_all_full_bins_pass_then_counts_cells():
     never = p5_hold(hist[:1], threshold=0.84, min_tokens=256)
     assert never["reached_step"] is None and never["held_fraction"] is None
     thin = p5_hold([_step(1, {0: (0.99, 5)})], threshold=0.84, min_tokens=256)  # no full bin: nothing reached
-    assert thin["reached_step"] is None and not math.isnan(thin["cells"])
+    assert thin == {"reached_step": None, "held_fraction": None, "cells": 0}
+    # a bin dropping below the threshold after it was reached counts against the hold
+    late = p5_hold(hist + [_step(5, {0: (0.5, 500), 128: (0.5, 500)})], threshold=0.84, min_tokens=256)
+    assert late == {"reached_step": 2, "held_fraction": pytest.approx(4 / 7), "cells": 7}
 
 
 def test_study_plot_grids_panels_per_arm_over_bins_with_tokens(tmp_path):
     from PIL import Image
 
-    from sparrow_jax.run.pipeline import plot_study
+    from sparrow_jax.run.study import plot_study
 
     dense = [{"step": i, "reward_mean": 0.1 * i, "timing_s/gen": 1.0} for i in (1, 2, 3)]
     online = [dict(_step(i, {768: (0.9, 300), 896: (0.8, 0)}), reward_mean=0.1, **{
-        "timing_s/gen": 0.5, "mismatch/alpha_mean": 0.99, "schedule/topk/bin_768": 8 * i,
+        "rollout/generated_tokens": 100.0, "rollout/decode_s": 0.5, "mismatch/alpha_mean": 0.99, "schedule/topk/bin_768": 8 * i,
         "schedule/topk/bin_896": 8}) for i in (1, 2, 3)]
     path = tmp_path / "study.png"
     plot_study({"dense": dense, "online_aggressive": online}, str(path))
@@ -81,3 +86,43 @@ def test_paired_reward_diff_matches_steps_and_gives_the_standard_error():
     # differences 0.1, 0.0, 0.2: mean 0.1, sd 0.1, se 0.1 / sqrt(3)
     assert got["steps"] == 3 and got["mean"] == pytest.approx(0.1) and got["se"] == pytest.approx(0.1 / math.sqrt(3))
     assert paired_reward_diff(arm[:1], ref) == {"mean": pytest.approx(0.1), "se": None, "steps": 1}
+
+
+def test_study_rerun_resumes_at_the_first_unfinished_arm(tmp_path, monkeypatch):
+    """Arms run in order; an arm whose report holds all steps is not trained again, the first
+    unfinished one is (from its checkpoints, inside ``train``), and the table covers every arm
+    from its logs. A rerun after the study finished trains nothing."""
+    from sparrow_jax.io.metrics import MetricWriter
+    from sparrow_jax.rollout import SparsitySchedule
+    from sparrow_jax.run import study
+
+    cfg = __import__("configs.study_long", fromlist=["get_config"]).get_config()
+    cfg.workdir, cfg.steps, cfg.study.arms = str(tmp_path), 2, ("dense", "calibrated", "aggressive")
+    spec = parse_spec(cfg)
+    (tmp_path / "schedule.json").write_text("{}")  # calibration done (its schedule is stubbed below)
+    trained = []
+
+    class Ctx:
+        train_rows = [0] * 8
+
+    def fake_train(arm_spec, ctx):
+        trained.append(arm_spec.workdir.rsplit("/", 1)[1])
+        with MetricWriter(arm_spec.workdir, use_tensorboard=False) as w:
+            for s in (1, 2):
+                w.write(s, {"reward_mean": 0.1 * s, "response_length/mean": 5.0})
+
+    monkeypatch.setattr(study, "train", fake_train)
+    monkeypatch.setattr(study, "build_run_context", lambda *a: Ctx())
+    monkeypatch.setattr(study, "build_schedule", lambda *a: SparsitySchedule.fixed(2))
+    fake_train(_arm_spec(spec, "dense"), None)  # the dense arm finished in an earlier run ...
+    (tmp_path / "dense" / "report.json").write_text(json.dumps({"steps": 2, "train_prompts": 8}))
+    fake_train(_arm_spec(spec, "calibrated"), None)  # ... the calibrated arm died before its report
+    trained.clear()
+    report = study.run_study(spec)
+    assert trained == ["calibrated", "aggressive"]
+    assert set(report["arms"]) == {"dense", "calibrated", "aggressive"}
+    assert report["arms"]["dense"]["reward_end"] == pytest.approx(0.15)  # rebuilt from the finished arm's log
+    assert json.loads((tmp_path / "aggressive" / "report.json").read_text()) == {"steps": 2, "train_prompts": 8}
+    trained.clear()
+    study.run_study(spec)
+    assert trained == []

@@ -160,52 +160,54 @@ def test_step_options_from_config():
 def _run(workdir, steps):
     cmd = [sys.executable, "-m", "experiments.run", "--config", "configs/grpo_tiny.py",
            f"--config.workdir={workdir}", f"--config.steps={steps}", "--config.checkpoint_every=2",
-           "--config.rollout.max_new_tokens=12", "--config.task.num_eval=2", "--config.eval_k=2"]
+           "--config.rollout.max_new_tokens=12", "--config.task.num_eval=2", "--config.eval_k=2",
+           "--config.eval_every=3"]
     return subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
-def test_sigkill_mid_run_then_resume_finishes(tmp_path):
+def test_sigkill_mid_run_then_resume_finishes_and_a_rerun_touches_nothing(tmp_path):
+    """SIGKILL after the first checkpoint, resume: every step logged once, the report rebuilt
+    from the logs (validation at steps 0, 3, 6 from both processes, the pooled tail, the paired
+    speedup); the same command once more prints the report, exits 0 and writes nothing."""
     workdir = tmp_path / "run"
     proc = _run(workdir, steps=6)
     marker = workdir / "checkpoints"
-    deadline = time.time() + 240
+    deadline, steps = time.time() + 900, []
     while time.time() < deadline and proc.poll() is None:
         steps = [d for d in os.listdir(marker) if (marker / d / "sparrow_commit.json").exists()] if marker.exists() else []
         if steps:
             break
         time.sleep(0.5)
-    assert proc.poll() is None, proc.stdout.read()
+    assert proc.poll() is None and steps, proc.stdout.read() if proc.poll() is not None else "no checkpoint in 900 s"
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     proc = _run(workdir, steps=6)
-    out, _ = proc.communicate(timeout=300)
+    out, _ = proc.communicate(timeout=900)
     assert proc.returncode == 0, out
     assert "resumed from checkpoint at step" in out
     steps = [json.loads(line)["step"] for line in open(workdir / "metrics.jsonl")]
-    assert steps == list(range(1, 7))
+    assert steps == list(range(0, 7))  # step 0: the validation before any update
     report = json.load(open(workdir / "report.json"))
-    assert {"reward_start", "reward_end", "p5_by_bin", "tau", "rollout_speedup"} <= set(report)
+    for side in ("val_dense", "val_sparse"):
+        assert [p["step"] for p in report[side]["steps"]] == [0, 3, 6]
+        assert report[side]["end"] == report[side]["steps"][-1]["reward_mean@2"]
+    assert report["trained_steps"] == 6 and report["reward_window_steps"] == 3
+    assert sum(b["count"] for b in report["p5_by_bin"]) > 0 and all(0 < b["p5"] <= 1 for b in report["p5_by_bin"])
+    assert report["sparse_token_fraction"] == 0.75  # every token sparse on 3 of 4 layers (layer 0 is dense)
     assert report["speedup_timed_compiles"] == 0  # the timed rollouts reuse the untimed run's programs
     paired = report["rollout_speedup_paired"]
-    assert 0 < paired["min"] <= paired["median"] <= paired["max"]
-
-
-def test_speedup_summary_is_best_over_best_with_the_paired_spread():
-    from sparrow_jax.run.pipeline import speedup_summary
-
-    out = speedup_summary([10.0, 20.0, 16.0], [15.0, 22.0, 24.0])  # repeats: dense, then sparse
-    assert out["rollout_speedup"] == pytest.approx(24.0 / 20.0)
-    assert (out["dense_tok_s"], out["sparse_tok_s"]) == (20.0, 24.0)
-    assert out["rollout_speedup_paired"] == pytest.approx({"min": 1.1, "median": 1.5, "max": 1.5})
-    with pytest.raises(ValueError, match="as many sparse as dense"):
-        speedup_summary([10.0, 20.0], [15.0])
-    with pytest.raises(ValueError, match="as many sparse as dense"):
-        speedup_summary([], [])
+    assert 0 < paired["min"] <= paired["median"] == report["rollout_speedup"] <= paired["max"]
+    files = {p: (p.read_bytes(), p.stat().st_mtime_ns) for p in workdir.rglob("*") if p.is_file()}
+    proc = _run(workdir, steps=6)
+    out, _ = proc.communicate(timeout=900)
+    assert proc.returncode == 0, out
+    assert "has finished its 6 steps" in out and json.dumps(report["val_dense"]) in out
+    assert {p: (p.read_bytes(), p.stat().st_mtime_ns) for p in workdir.rglob("*") if p.is_file()} == files
 
 
 def test_reward_windows_are_one_pass_over_cycled_prompts():
     from sparrow_jax.data.datasets import PromptIterator
-    from sparrow_jax.run.pipeline import reward_start_end, reward_window
+    from sparrow_jax.run.report import reward_start_end, reward_window
 
     assert reward_window(16, 4, 24) == 4  # 6 passes of 4 steps
     assert reward_window(18, 4, 10) == 5  # a pass of 18 prompts spans 5 steps; two fit in 10
@@ -298,9 +300,15 @@ def _tiny_spec(workdir, steps, **distill):
 
 def test_loop_state_resumes_exactly(tmp_path):
     """Two steps straight vs one step, a restart from the checkpoint, one more step: the same
-    losses, rewards and final loop state (policy, LoRA, optimiser moments, data position, key)."""
-    from sparrow_jax.rl.trainer import train
+    losses, rewards and final loop state (policy, LoRA, optimiser moments, data position, key),
+    and the same report figures rebuilt from each workdir's logs. Validation runs at step 0
+    (before any update: the initial policy with dense attention, and the sparse actor at the
+    schedule) and after every step (eval_every 0 on 2 steps: every step), and each step's logged alpha
+    histogram holds the step's tokens of each bin."""
+    from sparrow_jax.io.metrics import read_histograms, read_metrics
+    from sparrow_jax.rl.trainer import VALIDATION_KEY, evaluate, train
     from sparrow_jax.run.context import build_run_context
+    from sparrow_jax.run.report import training_report, training_rows
 
     distill = dict(enabled=True, rank=2)
     ctx = build_run_context(_tiny_spec(tmp_path / "a", 2, **distill))
@@ -313,6 +321,23 @@ def test_loop_state_resumes_exactly(tmp_path):
             assert want[k] == got[k], (k, want["step"])
     same = jax.tree.map(lambda a, b: bool(np.array_equal(np.asarray(a), np.asarray(b))), straight.state, resumed.state)
     assert all(jax.tree.leaves(same)) and int(resumed.state.data[1]) == 4  # 2 steps x 2 prompts of 8
+
+    logs = {run: (read_metrics(tmp_path / run), read_histograms(tmp_path / run)) for run in ("a", "b")}
+    kw = dict(num_prompts=len(ctx.train_rows), prompts_per_step=2, steps=2, eval_k=2, tau=0.86, min_count=1)
+    report_a, report_b = (training_report(*logs[run], **kw) for run in ("a", "b"))
+    assert report_a == report_b and report_a["trained_steps"] == 2
+    records = logs["a"][0]
+    assert [r["step"] for r in records if "val/dense/reward_mean@2" in r] == [0, 1, 2]
+    assert [r["step"] for r in records if "val/sparse/reward_mean@2" in r] == [0, 1, 2]
+    key = jax.random.fold_in(jax.random.PRNGKey(0), VALIDATION_KEY)
+    want = {**{f"val/dense/{k}": v for k, v in evaluate(ctx, ctx.params, None, ctx.eval_rows, 2, key).items()},
+            **{f"val/sparse/{k}": v for k, v in evaluate(ctx, ctx.params, ctx.schedule, ctx.eval_rows, 2,
+                                                         key).items()}}  # the LoRA starts at zero
+    assert {k: v for k, v in records[0].items() if k != "timing_s/validation"} == {"step": 0, **want}
+    for (step, bins), row in zip(logs["a"][1], training_rows(records)):
+        assert step == row["step"]
+        assert {b: int(c.sum()) for b, c in bins.items()} == {b: int(row.get(f"mismatch/count/bin_{b}", 0))
+                                                              for b in bins}
 
 
 def test_a_task_that_asks_for_a_reward_pool_is_scored_in_it():

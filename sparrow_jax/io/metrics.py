@@ -8,7 +8,12 @@ and NaN stays distinguishable from inf); `read_metrics` turns them back into flo
 Resume: `MetricWriter(workdir, resume_step=k)` keeps only lines with step <= k (the
 checkpoint at step k was written after step k's metrics), so a run resumed from that
 checkpoint does not log steps k+1.. twice; TensorBoard events from step k+1 on are purged
-too (tensorboardX `purge_step`). A line cut short by a crash is dropped on open.
+too (tensorboardX `purge_step`); k = -1 (a fresh start) drops every line. A line cut short by a
+crash is dropped on open.
+
+Histograms (per-step arrays too big for scalars) go to `<workdir>/alpha_hist.jsonl` through
+`HistogramWriter`, one sparse row per step, trimmed on resume like the metrics:
+{"step": int, "bins": {"<bin_start>": [[bucket, count], ...]}, "buckets": int}.
 """
 from __future__ import annotations
 
@@ -25,6 +30,7 @@ import numpy as np
 from sparrow_jax.io import NONFINITE_STRINGS, atomic_write_bytes, to_jsonable
 
 METRICS_FILE = "metrics.jsonl"
+HISTOGRAM_FILE = "alpha_hist.jsonl"
 TB_DIR = "tb"
 
 
@@ -103,6 +109,76 @@ def read_metrics(path: str | os.PathLike) -> list[dict[str, Any]]:
     return records
 
 
+def _check_resume_step(resume_step: int | None) -> None:
+    if resume_step is not None and (not isinstance(resume_step, int) or resume_step < -1):
+        raise ValueError(f"resume_step: expected an int >= -1 or None, got {resume_step!r}")
+
+
+def _trim(path: Path, resume_step: int | None) -> None:
+    """Drop a crash-truncated last line of a JSONL log and, on resume, steps after `resume_step`
+    (atomic rewrite; untouched when nothing is dropped)."""
+    if not path.exists():
+        return
+    text = path.read_text(encoding="utf-8")
+    records, covered = _parse_lines(path, text)
+    kept = records if resume_step is None else [r for r in records if r["step"] <= resume_step]
+    if covered == len(text) and len(kept) == len(records):
+        return
+    lines = "".join(json.dumps(r, allow_nan=False) + "\n" for r in kept)
+    atomic_write_bytes(path, lines.encode("utf-8"))
+
+
+class HistogramWriter:
+    """Append per-step per-bin histograms (int [num_bins, buckets]) to `<workdir>/alpha_hist.jsonl`,
+    storing only non-empty buckets. Same `is_primary` / `resume_step` rules as :class:`MetricWriter`."""
+
+    def __init__(self, workdir: str | os.PathLike, is_primary: bool = True, resume_step: int | None = None):
+        self.path = Path(workdir) / HISTOGRAM_FILE
+        self._file: TextIO | None = None
+        if not is_primary:
+            return
+        _check_resume_step(resume_step)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        _trim(self.path, resume_step)
+        self._file = open(self.path, "a", encoding="utf-8")
+
+    def write(self, step: int, counts: Any, bin_starts: list[int]) -> None:
+        """One row: ``counts`` int [len(bin_starts), buckets]."""
+        counts = np.asarray(counts)
+        if counts.ndim != 2 or counts.shape[0] != len(bin_starts):
+            raise ValueError(f"counts: expected [{len(bin_starts)}, buckets], got shape {counts.shape}")
+        if self._file is None:
+            return
+        bins = {str(int(b)): [[int(i), int(row[i])] for i in np.flatnonzero(row)]
+                for b, row in zip(bin_starts, counts)}
+        self._file.write(json.dumps({"step": int(step), "buckets": int(counts.shape[1]), "bins": bins}) + "\n")
+        self._file.flush()
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+
+def read_histograms(workdir: str | os.PathLike) -> list[tuple[int, dict[int, np.ndarray]]]:
+    """``[(step, {bin_start: int64 [buckets]})]`` from `<workdir>/alpha_hist.jsonl` ([] without one)."""
+    path = Path(workdir) / HISTOGRAM_FILE
+    if not path.is_file():
+        return []
+    records, _ = _parse_lines(path, path.read_text(encoding="utf-8"))
+    out = []
+    for r in records:
+        bins = {}
+        for start, pairs in r["bins"].items():
+            dense = np.zeros(int(r["buckets"]), np.int64)
+            if pairs:
+                idx, cnt = np.asarray(pairs, np.int64).T
+                dense[idx] = cnt
+            bins[int(start)] = dense
+        out.append((r["step"], bins))
+    return out
+
+
 class MetricWriter:
     """Append per-step scalar metrics to `<workdir>/metrics.jsonl` and TensorBoard.
 
@@ -110,7 +186,7 @@ class MetricWriter:
       workdir: run folder (created if needed).
       use_tensorboard: also write scalars with tensorboardX to `<workdir>/tb`.
       is_primary: False on non-primary processes of a multi-host run: writes nothing at all.
-      resume_step: when resuming from the checkpoint of step k, drop logged steps > k.
+      resume_step: when resuming from the checkpoint of step k, drop logged steps > k (-1: all).
       flush_secs: TensorBoard flush period (the JSONL file is flushed on every write).
     """
 
@@ -130,27 +206,14 @@ class MetricWriter:
         self._closed = False
         if not is_primary:
             return
-        if resume_step is not None and (not isinstance(resume_step, int) or resume_step < 0):
-            raise ValueError(f"resume_step: expected an int >= 0 or None, got {resume_step!r}")
+        _check_resume_step(resume_step)
         self.workdir.mkdir(parents=True, exist_ok=True)
-        self._trim(resume_step)
+        _trim(self.path, resume_step)
         self._file = open(self.path, "a", encoding="utf-8")
         if use_tensorboard:
             SummaryWriter = _summary_writer_class()
             purge = None if resume_step is None else resume_step + 1  # hides events with step >= purge
             self._tb = SummaryWriter(logdir=str(self.workdir / TB_DIR), purge_step=purge, flush_secs=flush_secs)
-
-    def _trim(self, resume_step: int | None) -> None:
-        """Drop a crash-truncated last line and, on resume, steps after `resume_step` (atomic rewrite)."""
-        if not self.path.exists():
-            return
-        text = self.path.read_text(encoding="utf-8")
-        records, covered = _parse_lines(self.path, text)
-        kept = records if resume_step is None else [r for r in records if r["step"] <= resume_step]
-        if covered == len(text) and len(kept) == len(records):
-            return
-        lines = "".join(json.dumps(r, allow_nan=False) + "\n" for r in kept)
-        atomic_write_bytes(self.path, lines.encode("utf-8"))
 
     def write(self, step: int, metrics: Mapping[str, Any]) -> None:
         """Log `metrics` (name -> scalar) for `step`: one JSONL line + TensorBoard scalars."""

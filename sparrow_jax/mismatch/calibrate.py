@@ -261,19 +261,25 @@ def spread_context_lengths(context_tokens: int, n: int, min_context: int | None 
 
 
 def sparse_token_fraction(schedule: SparsitySchedule | None, prompt_lens: np.ndarray,
-                          lengths: np.ndarray) -> float:
+                          lengths: np.ndarray, num_layers: int | None = None) -> float:
     """Share of generated tokens whose KV budget was below their visible context.
 
     Row ``b`` generates tokens ``prompt_lens[b] .. lengths[b] - 1``; token ``t`` comes from the
     query at position ``t - 1``, which sees ``t`` tokens in ``ceil(t / page_size)`` pages and may
     attend ``topk_at(t - 1) + reserved`` of them: sparse when that is fewer. 0 for dense rollouts.
+    With ``num_layers``, the share is over (token, layer) pairs: a layer in ``dense_layers``
+    attends every visible page, so it counts as dense for every token.
     """
     prompt_lens, lengths = np.asarray(prompt_lens), np.asarray(lengths)
     if schedule is None or int((lengths - prompt_lens).sum()) == 0:
         return 0.0
     t = np.concatenate([np.arange(p, n) for p, n in zip(prompt_lens, lengths)])
     pages = -(-t // schedule.page_size)
-    return float(np.mean(schedule.topk_at(t - 1) + schedule.reserved < pages))
+    share = float(np.mean(schedule.topk_at(t - 1) + schedule.reserved < pages))
+    if num_layers is None:
+        return share
+    sparse_layers = sum(1 for i in range(num_layers) if i not in schedule.dense_layers)
+    return share * sparse_layers / num_layers
 
 
 def format_report(result: dict[str, Any]) -> str:

@@ -27,7 +27,7 @@ import optax
 from jax.experimental.shard_alike import shard_alike
 
 from sparrow_jax.mismatch.scorers import per_token_mismatch
-from sparrow_jax.mismatch.tail import binned_percentile_jax, binned_tail_jax, query_positions
+from sparrow_jax.mismatch.tail import binned_histogram_jax, binned_percentile_jax, binned_tail_jax, query_positions
 from sparrow_jax.models.config import Qwen3Config
 from sparrow_jax.models.lora import LoraConfig, with_lora
 from sparrow_jax.models.forward import dense_hidden, sparse_hidden, unembedding
@@ -349,4 +349,6 @@ def _mismatch_metrics(alpha: jax.Array, kl: jax.Array, mask: jax.Array, opts: St
     out["mismatch/alpha_mean"] = jnp.sum(jnp.where(mask, alpha, 0)) / denom
     out["mismatch/alpha_p5"] = binned_percentile_jax(alpha, jnp.zeros_like(positions), mask, 1, 1, 5.0)[0][0]
     out["mismatch/kl_dense_sparse"] = jnp.sum(jnp.where(mask, kl, 0)) / denom
+    # [num_bins, 1000] counts: the run's pooled per-bin p5 is read from their sum over steps
+    out["mismatch/alpha_hist"] = binned_histogram_jax(alpha, positions, mask, opts.num_bins, opts.bin_width)
     return out

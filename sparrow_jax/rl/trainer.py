@@ -6,6 +6,11 @@ current top-k table and phase-2 flag, data position, PRNG key) and is checkpoint
 is, so a resumed run continues exactly. The static parts (run context, optimisers, step
 options) live in a frozen :class:`Loop`. :func:`train` returns data: the final state, the
 metric history and the final evaluation.
+
+Validation (:func:`validation`): at step 0 before any update, every ``eval_every`` steps and at
+the last step, the dense policy is evaluated with dense attention on the held-out prompts
+(``val/dense/...``) and the sparse actor at its current schedule (``val/sparse/...``), with one
+fixed key, so every point (and a resumed run's) samples alike.
 """
 from __future__ import annotations
 
@@ -24,8 +29,8 @@ from sparrow_jax.cost_model import relative_rollout_cost
 from sparrow_jax.data.datasets import PromptIterator
 from sparrow_jax.data.rewards import RewardPool
 from sparrow_jax.io.checkpoint import CheckpointManager
-from sparrow_jax.io.metrics import MetricWriter, ProgressBar
-from sparrow_jax.mismatch.calibrate import validate as validate_schedule
+from sparrow_jax.io.metrics import HistogramWriter, MetricWriter, ProgressBar
+from sparrow_jax.mismatch.calibrate import sparse_token_fraction, validate as validate_schedule
 from sparrow_jax.models.lora import LoraConfig, init_lora, with_lora
 from sparrow_jax.parallel import (host_array, is_primary, make_mesh, mesh_context, shard_batch, shard_params,
                                   shard_train_state)
@@ -88,8 +93,8 @@ class Loop:
 class TrainResult(NamedTuple):
     state: LoopState
     schedule: Optional[SparsitySchedule]  # the actor's schedule at the end (after a phase-2 switch)
-    history: list
-    final_eval: dict
+    history: list  # this process's step metrics (the whole run's are in <workdir>/metrics.jsonl)
+    final_eval: dict  # the last validation this process ran ({} when it ran none)
 
 
 # ---- rollouts ----------------------------------------------------------------------------
@@ -135,12 +140,53 @@ def sample(ctx: RunContext, params, examples: list[dict], key, repeats: int, sch
     return rollout, score(ctx, completions, rows, pool)
 
 
+def _mean_se(per_prompt: np.ndarray) -> tuple[float, float]:
+    """Mean over prompts and its standard error (NaN under two prompts)."""
+    x = np.asarray(per_prompt, np.float64)
+    return float(x.mean()), float(x.std(ddof=1) / np.sqrt(x.size)) if x.size > 1 else float("nan")
+
+
 def evaluate(ctx: RunContext, params, schedule, examples: list[dict], k: int, key,
              pool: Optional[RewardPool] = None) -> dict[str, float]:
-    """mean@k and pass@k over held-out prompts (k samples each at the rollout temperature)."""
+    """Held-out figures of ``params`` sampling under ``schedule`` (None: dense attention), each with
+    ``<name>_se``, its standard error over the prompts:
+
+    ``reward_greedy``: reward of the greedy (temperature 0) completion; ``reward_mean@k``: mean
+    reward of k samples at the rollout temperature; ``success@k``: share of prompts with a fully
+    correct sample (reward >= 1: partial credit is not success)."""
+    greedy = dataclasses.replace(ctx, sampling=dataclasses.replace(ctx.sampling, temperature=0.0))
+    _, best = sample(greedy, params, examples, key, 1, schedule, pool)
     _, rewards = sample(ctx, params, examples, key, k, schedule, pool)
     r = rewards.reshape(len(examples), k)
-    return {f"eval/mean@{k}": float(r.mean()), f"eval/pass@{k}": float((r.max(axis=1) > 0).mean())}
+    out = {}
+    for name, per_prompt in (("reward_greedy", best), (f"reward_mean@{k}", r.mean(axis=1)),
+                             (f"success@{k}", (r >= 1.0).any(axis=1))):
+        out[name], out[f"{name}_se"] = _mean_se(per_prompt)
+    return out
+
+
+VALIDATION_KEY = 10**6  # folded into the run's key: validation never draws a training key
+
+
+def eval_interval(steps: int, eval_every: int) -> int:
+    """Steps between validations: ``eval_every``, or when 0 a third of the run (with step 0 and
+    the last step, >= 4 points for runs of >= 3 steps)."""
+    return eval_every or max(1, steps // 3)
+
+
+def validation(loop: Loop, state: LoopState) -> dict[str, float]:
+    """``val/dense/*``: the policy with dense attention; ``val/sparse/*``: the sparse actor (with the
+    LoRA under DistillSparse) at its current schedule (absent for dense rollouts); both on the
+    held-out prompts with the same fixed key (:func:`evaluate`); ``timing_s/validation``."""
+    spec, ctx, t0 = loop.spec, loop.ctx, time.perf_counter()
+    key = jax.random.fold_in(state.key, VALIDATION_KEY)
+    out = {f"val/dense/{k}": v for k, v in evaluate(ctx, state.train.params, None, ctx.eval_rows, spec.eval_k, key,
+                                                     loop.pool).items()}
+    schedule = current_schedule(loop, state)
+    if schedule is not None:
+        out.update({f"val/sparse/{k}": v for k, v in evaluate(ctx, actor_params(loop, state), schedule,
+                                                               ctx.eval_rows, spec.eval_k, key, loop.pool).items()})
+    return {**out, "timing_s/validation": time.perf_counter() - t0}
 
 
 def actor_tail(ctx: RunContext, params, actor_params, examples, schedule, tau: float, key, samples: int = 2) -> dict:
@@ -332,6 +378,12 @@ def collect(loop: Loop, state: LoopState, key) -> tuple[Batch, dict, jax.Array]:
         batch = shard_batch(fields, loop.mesh)
     rewards, adv, prompt_lens = (gather(np.asarray(x)) for x in (rewards, adv, rollout.prompt_lens))
     decoded = gather(np.asarray([[rollout.stats["decode_tokens"], rollout.stats["decode_s"]]], np.float64))
+    lengths = gather(np.asarray(rollout.lengths))
+    metrics.update({"rollout/generated_tokens": float((lengths - prompt_lens).sum()),
+                    "rollout/sparse_token_fraction": sparse_token_fraction(
+                        schedule, prompt_lens, lengths, loop.ctx.model_config.num_hidden_layers),
+                    "rollout/decode_tokens": float(decoded[:, 0].sum()),
+                    "rollout/decode_s": float(decoded[:, 1].max())})
     metrics.update({"reward_mean": float(rewards.mean()), "critic/score/mean": float(rewards.mean()),
                     "critic/advantages/max": float(adv.max()), "critic/advantages/min": float(adv.min()),
                     "prompt_length/mean": float(np.mean(prompt_lens)),
@@ -349,7 +401,8 @@ def update(loop: Loop, state: LoopState, batch: Batch) -> tuple[LoopState, dict]
         kw.update(lora_cfg=loop.lora_cfg, lora_optimizer=loop.lora_optimizer, distill=loop.distill)
     train, lora, m = train_step(state.train, batch, None, state.lora, loop.ref_params, **kw)
     host = jax.device_get(m)  # one transfer for the whole metrics dict
-    metrics = {k: float(v) for k, v in host.items() if np.isfinite(v) or "/bin_" not in k}  # empty bins: omit
+    metrics = {k: float(v) if np.ndim(v) == 0 else v for k, v in host.items()  # arrays: histograms
+               if np.ndim(v) or np.isfinite(v) or "/bin_" not in k}  # empty bins: omit
     metrics["timing_s/update_actor"] = time.perf_counter() - t0
     return state._replace(train=train, lora=lora), metrics
 
@@ -395,7 +448,8 @@ def schedule_metrics(schedule: Optional[SparsitySchedule], config, *, num_sample
 
 
 def rl_step(loop: Loop, state: LoopState) -> tuple[LoopState, dict]:
-    """One RL step: collect -> update -> schedule control -> phase-2 check -> optional evaluation."""
+    """One RL step: collect -> update -> schedule control -> phase-2 check. The metrics hold
+    ``mismatch/alpha_hist`` (an array, sparse rollouts only) beside the scalars."""
     key = jax.random.fold_in(state.key, state.step)
     batch, metrics, data = collect(loop, state, key)
     r = loop.spec.rollout
@@ -406,12 +460,7 @@ def rl_step(loop: Loop, state: LoopState) -> tuple[LoopState, dict]:
     state, step_metrics = update(loop, state._replace(data=data), batch)
     state = steer(loop, state, step_metrics)
     state, switch_metrics = maybe_switch(loop, state, jax.random.fold_in(key, 2))
-    metrics = {**step_metrics, **metrics, **switch_metrics}
-    spec = loop.spec
-    if spec.eval_every and state.step % spec.eval_every == 0:
-        metrics.update(evaluate(loop.ctx, state.train.params, current_schedule(loop, state), loop.ctx.eval_rows,
-                                spec.eval_k, jax.random.fold_in(key, 1), loop.pool))
-    return state, metrics
+    return state, {**step_metrics, **metrics, **switch_metrics}
 
 
 # ---- the loop -------------------------------------------------------------------------------
@@ -428,22 +477,32 @@ def train(spec: RunSpec, ctx: RunContext, progress: bool = True) -> TrainResult:
 
 
 def _run(loop: Loop, progress: bool, resources: contextlib.ExitStack) -> TrainResult:
-    spec, ctx, ckpt = loop.spec, loop.ctx, resources.enter_context(_checkpoints(loop.spec))
+    spec, ckpt = loop.spec, resources.enter_context(_checkpoints(loop.spec))
     state = restore_or_init(loop, ckpt)
-    writer = resources.enter_context(MetricWriter(spec.workdir, resume_step=state.step, is_primary=is_primary()))
+    # a fresh start (no checkpoint) drops what an earlier attempt logged before its first checkpoint
+    resume = state.step if ckpt.latest_step() is not None else -1
+    writer = resources.enter_context(MetricWriter(spec.workdir, resume_step=resume, is_primary=is_primary()))
+    hist_writer = HistogramWriter(spec.workdir, resume_step=resume, is_primary=is_primary())
+    resources.callback(hist_writer.close)
     bar = resources.enter_context(ProgressBar(total=spec.steps, initial=state.step, desc="rl", disable=not progress))
+    every, final_eval = eval_interval(spec.steps, spec.eval_every), {}
+    bin_starts = [i * loop.opts.bin_width for i in range(loop.opts.num_bins)]
     history, streak = [], 0
+    if state.step == 0 < spec.steps:  # the starting point, before any update
+        final_eval = validation(loop, state)
+        writer.write(0, final_eval)
     while state.step < spec.steps:
         state, metrics = rl_step(loop, state)
         streak = nonfinite_streak(streak, metrics["actor/nonfinite_updates"], spec.train.max_nonfinite_steps)
+        alpha_hist = metrics.pop("mismatch/alpha_hist", None)
+        if state.step % every == 0 or state.step == spec.steps:
+            final_eval = validation(loop, state)
+            metrics.update(final_eval)
+        if alpha_hist is not None:
+            hist_writer.write(state.step, alpha_hist, bin_starts)
         writer.write(state.step, metrics)
         history.append({"step": state.step, **metrics})
         bar.update(state.step, reward=metrics["reward_mean"], tok_s=metrics["rollout/tokens_per_s"])
         if state.step % spec.checkpoint_every == 0 or state.step == spec.steps:
             save(ckpt, loop, state)
-    bar.close()
-    writer.close()
-    schedule = current_schedule(loop, state)
-    final_eval = evaluate(ctx, state.train.params, schedule, ctx.eval_rows, spec.eval_k,
-                          jax.random.fold_in(state.key, 10**6), loop.pool)
-    return TrainResult(state, schedule, history, final_eval)
+    return TrainResult(state, current_schedule(loop, state), history, final_eval)

@@ -1,0 +1,59 @@
+"""Like-for-like rollout speed: the timing loop and the paired-ratio summary that the run's report
+and ``experiments.bench_speedup_ceiling`` share.
+
+Every side decodes the same rows (prompts x samples) with the same params and key, stop tokens
+ignored, so each decodes ``max_new_tokens`` tokens per row at the same positions: the sides
+differ only in what attention costs. Sides alternate within each repeat so that other load on
+the machine hits them alike; the speedup is the median of the repeats' paired ratios.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+import numpy as np
+
+from sparrow_jax.rl.context import RunContext
+from sparrow_jax.rollout import SparsitySchedule, generate, generate_continuous
+
+
+def time_sides(ctx: RunContext, params, prompts: list[list[int]], sides: dict[str, Optional[SparsitySchedule]],
+               repeats: int, key) -> tuple[dict[str, list[float]], int]:
+    """Decode tokens/s of each side's rollout of ``prompts`` (token ids), ``repeats`` alternating runs
+    after an untimed one per side, which compiles every shape the timed runs use (same key, same
+    lengths). Returns (``{side: [tok/s per repeat]}``, compilations seen in the timed runs)."""
+    sampling = dataclasses.replace(ctx.sampling, stop_ids=())  # every row decodes max_new_tokens
+    engine = generate_continuous if ctx.engine == "continuous" else generate
+
+    def run(schedule):
+        out = engine(ctx.model_config, params, prompts, key, sampling, schedule=schedule, impl=ctx.impl,
+                     pad_id=ctx.tokenizer.pad_id)
+        return out.stats["decode_tokens"] / max(out.stats["decode_s"], 1e-9), int(out.stats.get("compiles", 0))
+
+    for schedule in sides.values():
+        run(schedule)
+    tok_s, compiles = {name: [] for name in sides}, 0
+    for _ in range(repeats):
+        for name, schedule in sides.items():
+            speed, n = run(schedule)
+            tok_s[name].append(speed)
+            compiles += n
+    return tok_s, compiles
+
+
+def speedup_summary(dense_tok_s: list[float], sparse_tok_s: list[float]) -> dict:
+    """Rollout speedup from alternating repeats (``dense_tok_s[i]`` timed beside ``sparse_tok_s[i]``).
+
+    ``rollout_speedup``: the median over repeats of sparse / dense tokens/s of the same repeat;
+    ``rollout_speedup_paired``: min / median / max of those ratios (how far the figure moves with
+    the machine's noise); ``dense_tok_s`` / ``sparse_tok_s``: each side's median tokens/s.
+    """
+    if not dense_tok_s or len(dense_tok_s) != len(sparse_tok_s):
+        raise ValueError(f"need as many sparse as dense repeats (>= 1), got {len(dense_tok_s)} dense and "
+                         f"{len(sparse_tok_s)} sparse")
+    paired = np.asarray(sparse_tok_s, np.float64) / np.asarray(dense_tok_s, np.float64)
+    median = float(np.median(paired))
+    return {"rollout_speedup": median, "dense_tok_s": float(np.median(dense_tok_s)),
+            "sparse_tok_s": float(np.median(sparse_tok_s)),
+            "rollout_speedup_paired": {"min": float(paired.min()), "median": median, "max": float(paired.max()),
+                                       "repeats": int(paired.size)}}

@@ -1,0 +1,185 @@
+"""The study: the same seeds and steps for every arm of ``study.arms`` (dense rollouts, the
+calibrated schedule, an aggressive fixed budget, the online controller started dense, aggressive
+or calibrated with DistillSparse), each in ``<workdir>/<arm>``, and a table of their figures.
+
+An arm is finished when ``<workdir>/<arm>/report.json`` holds this many steps: a study rerun
+skips finished arms and resumes the first unfinished one from its checkpoints. Every figure of
+the table is rebuilt from the arms' logs (:mod:`sparrow_jax.run.report`).
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Optional
+
+import numpy as np
+
+from sparrow_jax.io import atomic_write_json
+from sparrow_jax.io.metrics import read_histograms, read_metrics
+from sparrow_jax.io.plots import plot_panels
+from sparrow_jax.rl.trainer import train
+from sparrow_jax.run.calibration import calibrate_run
+from sparrow_jax.run.context import build_run_context, build_schedule
+from sparrow_jax.run.report import (generated_tokens_per_s, reward_start_end, reward_window, training_report,
+                                    training_rows)
+from sparrow_jax.run.specs import RunSpec
+
+_ONLINE_START = {"online_dense": "dense", "online_aggressive": "fixed", "online_distill": "calibrated"}
+ARM_REPORT = "report.json"
+
+
+def _arm_spec(spec: RunSpec, arm: str) -> RunSpec:
+    """The run of one study arm: its schedule (and DistillSparse for ``online_distill``) in ``<workdir>/<arm>``."""
+    s, distill = spec.schedule, spec.distill
+    if arm in _ONLINE_START:
+        schedule = dataclasses.replace(s, kind="online", topk=spec.study.aggressive_topk,
+                                       online=dataclasses.replace(s.online, start=_ONLINE_START[arm]))
+        if arm == "online_distill":
+            distill = dataclasses.replace(distill, enabled=True, compare_without=False)
+    else:
+        kind = {"dense": "dense", "calibrated": "json", "aggressive": "fixed"}[arm]
+        schedule = dataclasses.replace(s, kind=kind, path=os.path.join(spec.workdir, "schedule.json"),
+                                       topk=spec.study.aggressive_topk)
+    return dataclasses.replace(spec, workdir=os.path.join(spec.workdir, arm), schedule=schedule, distill=distill,
+                               study=None)
+
+
+def _bin_series(history, prefix: str) -> dict[int, list]:
+    """``{bin_start: [value per step (nan where absent)]}`` of the metrics ``<prefix><bin_start>``."""
+    starts = sorted({int(k[len(prefix):]) for h in history for k in h if k.startswith(prefix)})
+    return {b: [h.get(f"{prefix}{b}", np.nan) for h in history] for b in starts}
+
+
+def p5_hold(history, threshold: float, min_tokens: float) -> dict:
+    """When every bin with >= ``min_tokens`` tokens first has p5 >= ``threshold`` (``reached_step``,
+    None if never), and the share of (step, bin) cells with that many tokens from then on that
+    keep it (``held_fraction``, over ``cells`` cells)."""
+    p5 = _bin_series(history, "mismatch/alpha_p5/bin_")
+    count = _bin_series(history, "mismatch/count/bin_")
+    cells = lambda i: [p5[b][i] for b in p5 if b in count and count[b][i] >= min_tokens]  # p5 of full bins
+    reached = next((i for i in range(len(history)) if cells(i) and min(cells(i)) >= threshold), None)
+    if reached is None:
+        return {"reached_step": None, "held_fraction": None, "cells": 0}
+    after = [p for i in range(reached, len(history)) for p in cells(i)]
+    return {"reached_step": int(history[reached]["step"]),
+            "held_fraction": float(np.mean([p >= threshold for p in after])), "cells": len(after)}
+
+
+def paired_reward_diff(hist, ref_hist) -> dict:
+    """Per-step reward of an arm minus a reference arm's, step by step: the arms share their
+    seeds, so step t samples the same prompts in both and the prompt-to-prompt variation
+    cancels. ``{"mean", "se", "steps"}`` (se: the standard error of the mean difference)."""
+    ref = {h["step"]: h["reward_mean"] for h in ref_hist}
+    diffs = np.asarray([h["reward_mean"] - ref[h["step"]] for h in hist if h["step"] in ref], np.float64)
+    if diffs.size < 2:
+        return {"mean": float(diffs.mean()) if diffs.size else None, "se": None, "steps": int(diffs.size)}
+    return {"mean": float(diffs.mean()), "se": float(diffs.std(ddof=1) / np.sqrt(diffs.size)),
+            "steps": int(diffs.size)}
+
+
+def arm_row(spec: RunSpec, arm: str, records: list[dict], histograms: list, window: int) -> dict:
+    """One arm's figures: reward windows, dense / sparse validation, the pooled tail (``min_p5``:
+    the lowest pooled p5 of bins with >= ``calibration.min_count`` tokens, None for dense
+    rollouts), its hold fraction, and the cost: ``gen_tokens_per_s`` (generated tokens per
+    rollout decode second) beside the cost model's ``predicted_cost`` relative to dense."""
+    rows = training_rows(records)
+    full = training_report(records, histograms, num_prompts=1, prompts_per_step=1, steps=1, eval_k=spec.eval_k,
+                           tau=spec.calibration.tau, min_count=spec.calibration.min_count)
+    pooled = [b["p5"] for b in full["p5_by_bin"] if b["count"] >= spec.calibration.min_count and b["p5"] is not None]
+    row = {**reward_start_end([h["reward_mean"] for h in rows], window),
+           **{k: full[k] for k in ("val_dense", "val_sparse", "p5_by_bin", "p5_min_step_by_bin", "p5_hold_fraction",
+                                   "sparse_token_fraction")},
+           "min_p5": min(pooled) if pooled and arm != "dense" else None,
+           "response_length_end": float(np.mean([h["response_length/mean"] for h in rows][-3:])) if rows else None,
+           "gen_tokens_per_s": generated_tokens_per_s(rows)}
+    costs = [h["schedule/predicted_cost_vs_dense"] for h in rows if "schedule/predicted_cost_vs_dense" in h]
+    if costs:
+        row["predicted_cost_end"], row["predicted_cost_mean"] = float(costs[-1]), float(np.mean(costs))
+    if arm in _ONLINE_START and rows:
+        row["topk_end"] = {str(b): int(v[-1]) for b, v in _bin_series(rows, "schedule/topk/bin_").items()}
+        row["p5_hold"] = p5_hold(rows, spec.schedule.online.tau - 0.02, spec.schedule.online.min_tokens)
+    return row
+
+
+def plot_study(arms: dict[str, list], path: str) -> None:
+    """study.png: reward, mean alpha and generated tokens per rollout second per step for every arm;
+    then per sparse arm its p5 per generated-position bin, and per online arm its top-k per bin
+    (bins that received tokens only)."""
+    steps = {a: [h["step"] for h in hist] for a, hist in arms.items()}
+    series = lambda key: {a: (steps[a], [h.get(key, np.nan) for h in hist]) for a, hist in arms.items()}
+    speed = {a: (steps[a], [h.get("rollout/generated_tokens", np.nan) / h.get("rollout/decode_s", np.nan)
+                            for h in hist]) for a, hist in arms.items()}
+    panels = [("reward", "reward_mean", series("reward_mean")),
+              ("mean alpha (sparse arms)", "alpha mean", {a: v for a, v in series("mismatch/alpha_mean").items()
+                                                          if a != "dense"}),
+              ("generated tokens per rollout second", "tok/s", speed)]
+    for a, hist in arms.items():
+        if a == "dense":
+            continue
+        counts = _bin_series(hist, "mismatch/count/bin_")
+        used = [b for b, c in counts.items() if np.nansum(c) > 0]
+        p5 = _bin_series(hist, "mismatch/alpha_p5/bin_")
+        panels.append((f"p5 per bin: {a}", "alpha p5", {f"bin {b}": (steps[a], p5[b]) for b in used if b in p5}))
+        if a in _ONLINE_START:
+            topk = _bin_series(hist, "schedule/topk/bin_")
+            panels.append((f"top-k per bin: {a}", "pages", {f"bin {b}": (steps[a], topk[b]) for b in used
+                                                             if b in topk}))
+    plot_panels([p for p in panels if p[2]], path, columns=4)  # an arm without binned tokens has no panel
+
+
+def finished_arm(arm_spec: RunSpec) -> Optional[dict]:
+    """The arm's report when the arm has run all ``arm_spec.steps`` steps (None otherwise)."""
+    path = os.path.join(arm_spec.workdir, ARM_REPORT)
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        report = json.load(f)
+    return report if report.get("steps") == arm_spec.steps else None
+
+
+def run_study(spec: RunSpec) -> dict:
+    """Train every arm of ``study.arms`` not yet finished (in order; an interrupted arm resumes
+    from its checkpoints), then write ``<workdir>/report.json`` and ``study.png`` from the arms' logs."""
+    if not os.path.exists(os.path.join(spec.workdir, "schedule.json")):
+        calibrate_run(spec)
+    calibrated = build_schedule(spec.schedule, spec.workdir)
+    arms, histograms, num_prompts = {}, {}, 0
+    for arm in spec.study.arms:
+        arm_spec = _arm_spec(spec, arm)
+        done = finished_arm(arm_spec)
+        if done is None:
+            print(f"[study] arm {arm}", flush=True)
+            with_calibrated = arm in ("calibrated", "online_distill")
+            ctx = build_run_context(arm_spec, calibrated) if with_calibrated else build_run_context(arm_spec)
+            train(arm_spec, ctx)
+            done = {"steps": arm_spec.steps, "train_prompts": len(ctx.train_rows)}
+            atomic_write_json(os.path.join(arm_spec.workdir, ARM_REPORT), done)
+        else:
+            print(f"[study] arm {arm}: finished ({arm_spec.workdir}/{ARM_REPORT})", flush=True)
+        num_prompts = done["train_prompts"]
+        arms[arm], histograms[arm] = read_metrics(arm_spec.workdir), read_histograms(arm_spec.workdir)
+    plot_study({a: training_rows(r) for a, r in arms.items()}, os.path.join(spec.workdir, "study.png"))
+    window = reward_window(num_prompts, spec.rollout.prompts_per_step, spec.steps)
+    table = {a: arm_row(spec, a, records, histograms[a], window) for a, records in arms.items()}
+    if "calibrated" in arms:  # is an arm's reward worse than the calibrated schedule's, beyond noise?
+        for a, records in arms.items():
+            table[a]["reward_vs_calibrated"] = paired_reward_diff(training_rows(records),
+                                                                  training_rows(arms["calibrated"]))
+    report = {"arms": table, "tau": spec.calibration.tau, "calibrated_topk": list(calibrated.topk),
+              "aggressive_topk": spec.study.aggressive_topk, "steps": spec.steps}
+    atomic_write_json(os.path.join(spec.workdir, "report.json"), report)
+    print_study(report)
+    return report
+
+
+def print_study(report: dict) -> None:
+    """The study table, one line per arm, then the report as one JSON line."""
+    fmt = lambda x, f=".3f": "-" if x is None else format(x, f)  # noqa: E731
+    for a, row in report["arms"].items():
+        val = row.get("val_dense") or {}
+        print(f"[study] {a:>17}: reward {fmt(row['reward_start'])} -> {fmt(row['reward_end'])}, dense val "
+              f"{fmt(val.get('start'))} -> {fmt(val.get('end'))}, min p5 {fmt(row['min_p5'])}, "
+              f"{fmt(row['gen_tokens_per_s'], '.0f')} gen tok/s, predicted cost {fmt(row.get('predicted_cost_end'))}",
+              flush=True)
+    print(json.dumps(report))
