@@ -71,7 +71,14 @@ def blockwise_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, block: int 
         pad_q = lambda x: jnp.pad(x, [(0, 0), (0, 0), (0, tp - t), (0, 0)])
         pages = _Pages(pad_q(page_idx.astype(jnp.int32)), pad_q(page_valid.astype(bool)),
                        None if dense_before is None else dense_before.astype(jnp.int32))
-    out = _attend(qg, kt, vt, pages, block, page_size)
+    if jax.default_backend() == "cpu":
+        # One row at a time: a tile's scores then stay in the core's cache (all rows' tiles at once
+        # are several MiB per step and every elementwise pass goes to memory), and dK / dV
+        # accumulate in a row-sized buffer. Accelerators want every row in one program instead.
+        one_row = lambda row: _attend(*jax.tree.map(lambda x: x[None], row), block, page_size)[0]
+        out = jax.lax.map(one_row, (qg, kt, vt, pages))
+    else:
+        out = _attend(qg, kt, vt, pages, block, page_size)
     return out.transpose(0, 2, 1, 3, 4).reshape(b, tp, h, d)[:, :t].astype(q.dtype)
 
 
