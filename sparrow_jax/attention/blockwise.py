@@ -86,13 +86,13 @@ def blockwise_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, block: int 
 
 class _Plan(NamedTuple):
     tiles: Optional[jax.Array]  # int32 [B, Hkv, NT] tile ids, the union of the block's pages first (paged)
-    count: jax.Array  # int32 [] tiles to visit
+    count: Optional[jax.Array]  # int32 [] tiles to visit (paged; dense visits tiles 0..i)
     allowed: Optional[jax.Array]  # bool [B, Hkv, C, P] each query's pages (paged)
 
 
 def _plan(i, pages: _Pages, block: int, page_size: int, tp: int) -> _Plan:
     if pages.idx is None:
-        return _Plan(None, i + 1, None)
+        return _Plan(None, None, None)
     num_pages = tp // page_size
     idx = jax.lax.dynamic_slice_in_dim(pages.idx, i * block, block, axis=2)
     valid = jax.lax.dynamic_slice_in_dim(pages.valid, i * block, block, axis=2)
