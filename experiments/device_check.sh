@@ -15,6 +15,10 @@
 # yet), so new-vs-fixed there also measures that gather. Raise --gen_len to 16384 / 32768
 # when time is left.
 #
+# The train step's whole-sequence attention, reference (chunked XLA) vs fast (cuDNN flash) on one
+# Qwen3-1.7B-shaped bf16 layer, forward + backward at 8K and 32K tokens per row (32K tokens a
+# step): `STAGE=train_step bash experiments/device_check.sh` (sized for one ~5-minute call).
+#
 # Wheels of packages the GPU image lacks may sit in .whl/ (see docs/gpu_checks.md).
 set -uo pipefail
 OUT=${OUT:-runs/device}
@@ -47,6 +51,13 @@ if [ "${STAGE:-check}" = rollout ]; then
     --out "$OUT/ragged_b64.json"
   step bench_attention_b64 90 python3 -m experiments.bench_attention --batch 64 --contexts 8192 32768 --repeats 10 \
     --out "$OUT/bench_attention_b64.json"
+  exit 0
+fi
+
+if [ "${STAGE:-check}" = train_step ]; then
+  step bench_train_step_1p7b 300 python3 -m experiments.bench_train_step --model Qwen3-1.7B --layers 1 \
+    --lengths 8192 32768 --tokens_per_step 32768 --repeats 3 --peak_size 8192
+  grep '^{' "$OUT/bench_train_step_1p7b.log" | tail -n 1 > "$OUT/bench_train_step_1p7b.json"
   exit 0
 fi
 

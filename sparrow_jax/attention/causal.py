@@ -1,4 +1,5 @@
-"""Chunked causal attention over whole sequences (teacher forcing and prefill).
+"""Chunked causal attention over whole sequences (teacher forcing and prefill): the XLA reference
+of :mod:`sparrow_jax.attention.whole_sequence`, whose fast paths are tested against it.
 
 Never builds an ``L x L`` score matrix: queries go in chunks of ``chunk`` tokens.
 

@@ -19,6 +19,7 @@ from sparrow_jax.attention.causal import causal_attention, causal_attention_pref
 from sparrow_jax.attention.decode import dense_decode_dispatch, score_select_decode, sparse_decode
 from sparrow_jax.attention.contract import selected_page_mask
 from sparrow_jax.attention.selection import group_mean_query, score_pages, select_pages
+from sparrow_jax.attention.whole_sequence import resolve_causal_impl, whole_sequence_attention
 from sparrow_jax.models.config import Qwen3Config
 from sparrow_jax.models.qwen3 import Params, bind
 
@@ -28,23 +29,26 @@ def _positions(tokens):
     return jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
 
 
-def dense_hidden(config: Qwen3Config, params: Params, tokens: jax.Array, chunk: int = 256,
-                 remat: bool = False) -> jax.Array:
-    """tokens int32 [B, L] (positions 0..L-1) -> final hidden states [B, L, hidden]."""
+def dense_hidden(config: Qwen3Config, params: Params, tokens: jax.Array, chunk: Optional[int] = None,
+                 remat: bool = False, impl: str = "auto") -> jax.Array:
+    """tokens int32 [B, L] (positions 0..L-1) -> final hidden states [B, L, hidden].
+
+    ``impl`` / ``chunk``: the whole-sequence attention's (:mod:`sparrow_jax.attention.whole_sequence`).
+    """
     model = bind(config, params)
-    attention = lambda layer, q, k, v: causal_attention(q, k, v, chunk=chunk)
+    attention = lambda layer, q, k, v: whole_sequence_attention(q, k, v, impl=impl, chunk=chunk)
     return model(tokens, _positions(tokens), attention, remat=remat)
 
 
-@functools.partial(jax.jit, static_argnums=0)
-def dense_logits(config: Qwen3Config, params: Params, tokens: jax.Array) -> jax.Array:
+@functools.partial(jax.jit, static_argnums=0, static_argnames=("impl",))
+def dense_logits(config: Qwen3Config, params: Params, tokens: jax.Array, impl: str = "auto") -> jax.Array:
     """Full-sequence causal logits, float32 [B, L, V]. tokens int32 [B, L], positions 0..L-1.
 
     Convenience for tests and small inputs; scorers use :func:`dense_hidden` and reduce
     over the vocabulary in chunks instead of holding [B, L, V].
     """
     model = bind(config, params)
-    attention = lambda layer, q, k, v: causal_attention(q, k, v)
+    attention = lambda layer, q, k, v: whole_sequence_attention(q, k, v, impl=impl)
     return model.logits(model(tokens, _positions(tokens), attention))
 
 
@@ -53,9 +57,38 @@ def unembedding(config: Qwen3Config, params: Params) -> jax.Array:
     return bind(config, params).unembedding()
 
 
+def _page_metadata(k: jax.Array, schedule):
+    """Keys [B, T, Hkv, D] -> per-page (centroid, kmin, kmax) [B, Hkv, P, D] float32 (None unless quest)."""
+    b, t, hkv, d = k.shape
+    s = schedule.page_size
+    pages = -(-t // s)
+    kp = jnp.pad(k.astype(jnp.float32), ((0, 0), (0, pages * s - t), (0, 0), (0, 0)))
+    kp = kp.reshape(b, pages, s, hkv, d).transpose(0, 3, 1, 2, 4)  # [B, Hkv, P, S, D]
+    quest = schedule.selector == "quest"
+    return kp.mean(axis=3), (kp.min(axis=3) if quest else None), (kp.max(axis=3) if quest else None)
+
+
+def _check_reserved_last(schedule) -> None:
+    if schedule.reserved_last < 1:
+        raise ValueError("the sparse scorer needs reserved_last >= 1 (the current page is partial)")
+
+
+def _select_chunk(start, q_chunk, metadata, budget_p, k_max: int, schedule):
+    """Queries [B, C, H, D] at positions start.. -> the sampler's selection (idx, valid) [B, Hkv, C, N]."""
+    centroid, kmin, kmax = metadata
+    c, hkv = q_chunk.shape[1], centroid.shape[1]
+    qg = group_mean_query(q_chunk, hkv).transpose(0, 2, 1, 3)  # [B, Hkv, C, D]
+    scores = score_pages(qg, centroid, kmin, kmax, schedule.selector)
+    q_pos = start + jnp.arange(c)
+    chunk_budget = jax.lax.dynamic_slice_in_dim(budget_p, start, c, axis=1)
+    return select_pages(scores, q_pos[None, None, :], chunk_budget[:, None, :], k_max, schedule.page_size,
+                        schedule.reserved_first, schedule.reserved_last)
+
+
 def sparse_page_mask_fn(k: jax.Array, budget: jax.Array, k_max: int, schedule,
                         dense_before: Optional[jax.Array] = None):
-    """Per-query allowed pages reproducing the sampler's selection in one teacher-forced pass.
+    """Per-query allowed pages reproducing the sampler's selection in one teacher-forced pass
+    (the reference attention's ``page_mask_fn``).
 
     k: [B, T, Hkv, D] keys of the layer (post RoPE); budget: int32 [B, T] top-k pages
     wanted at each query position; dense_before: int32 [B], queries at positions below it
@@ -63,37 +96,49 @@ def sparse_page_mask_fn(k: jax.Array, budget: jax.Array, k_max: int, schedule,
     are complete before every query that may pick them (reserved_last >= 1), so their
     metadata equals what the sampler's cache held at that step.
     """
-    if schedule.reserved_last < 1:
-        raise ValueError("the sparse scorer needs reserved_last >= 1 (the current page is partial)")
-    b, t, hkv, d = k.shape
-    s = schedule.page_size
-    pages = -(-t // s)
-    kp = jnp.pad(k.astype(jnp.float32), ((0, 0), (0, pages * s - t), (0, 0), (0, 0)))
-    kp = kp.reshape(b, pages, s, hkv, d).transpose(0, 3, 1, 2, 4)  # [B, Hkv, P, S, D]
-    centroid = kp.mean(axis=3)
-    kmin = kp.min(axis=3) if schedule.selector == "quest" else None
-    kmax = kp.max(axis=3) if schedule.selector == "quest" else None
+    _check_reserved_last(schedule)
+    t = k.shape[1]
+    pages = -(-t // schedule.page_size)
+    metadata = _page_metadata(k, schedule)
     budget_p = jnp.pad(budget, ((0, 0), (0, t)))  # query chunks may run past T (padding)
 
     def page_mask(start, q_chunk):
-        c = q_chunk.shape[1]
-        qg = group_mean_query(q_chunk, hkv).transpose(0, 2, 1, 3)  # [B, Hkv, C, D]
-        scores = score_pages(qg, centroid, kmin, kmax, schedule.selector)
-        q_pos = start + jnp.arange(c)
-        chunk_budget = jax.lax.dynamic_slice_in_dim(budget_p, start, c, axis=1)
-        idx, valid = select_pages(scores, q_pos[None, None, :], chunk_budget[:, None, :], k_max, s,
-                                  schedule.reserved_first, schedule.reserved_last)
+        idx, valid = _select_chunk(start, q_chunk, metadata, budget_p, k_max, schedule)
         allowed = selected_page_mask(idx, valid, pages)
         if dense_before is not None:
+            q_pos = start + jnp.arange(q_chunk.shape[1])
             allowed = allowed | (q_pos[None, :] < dense_before[:, None])[:, None, :, None]
         return allowed
 
     return page_mask
 
 
+def sparse_page_selection(q: jax.Array, k: jax.Array, budget: jax.Array, k_max: int, schedule,
+                          block: int = 256) -> tuple[jax.Array, jax.Array]:
+    """The sampler's page selection for every query, a query block at a time (no gradient).
+
+    q [B, T, H, D], k [B, T, Hkv, D] (post RoPE); budget int32 [B, T].
+    -> (page_idx int32, page_valid bool) [B, Hkv, T, N], as :func:`select_pages` returns them.
+    Same metadata and scores as :func:`sparse_page_mask_fn` (see there why they are exact).
+    """
+    _check_reserved_last(schedule)
+    q, k = jax.lax.stop_gradient(q), jax.lax.stop_gradient(k)
+    b, t, h, d = q.shape
+    block = min(block, t)
+    n = -(-t // block)
+    metadata = _page_metadata(k, schedule)
+    budget_p = jnp.pad(budget, ((0, 0), (0, n * block - t)))
+    q_blocks = jnp.pad(q, ((0, 0), (0, n * block - t), (0, 0), (0, 0))).reshape(b, n, block, h, d).swapaxes(0, 1)
+    starts = jnp.arange(n, dtype=jnp.int32) * block
+    idx, valid = jax.lax.map(lambda a: _select_chunk(a[0], a[1], metadata, budget_p, k_max, schedule),
+                             (starts, q_blocks))  # [n, B, Hkv, C, N]
+    merge = lambda x: jnp.moveaxis(x, 0, 2).reshape(*x.shape[1:3], n * block, x.shape[-1])[:, :, :t]
+    return merge(idx), merge(valid)
+
+
 def sparse_hidden(config: Qwen3Config, params: Params, tokens: jax.Array, schedule,
-                  k_max: Optional[int] = None, chunk: int = 256, remat: bool = False,
-                  prompt_lens: Optional[jax.Array] = None) -> jax.Array:
+                  k_max: Optional[int] = None, chunk: Optional[int] = None, remat: bool = False,
+                  prompt_lens: Optional[jax.Array] = None, impl: str = "auto") -> jax.Array:
     """Teacher-forced hidden states under the sparse actor's attention. -> [B, L, hidden].
 
     Position t uses the pages the sparse sampler selects when decoding the token at t
@@ -101,6 +146,8 @@ def sparse_hidden(config: Qwen3Config, params: Params, tokens: jax.Array, schedu
     ``schedule.dense_layers`` stay dense. ``k_max`` (static) defaults to ``schedule.k_max``.
     ``prompt_lens`` [B]: the sampler prefills ``prompt[:-1]`` densely, so positions below
     ``prompt_lens - 1`` attend to every page (needed once two or more layers are sparse).
+    ``impl`` / ``chunk``: the whole-sequence attention's; every path but ``reference`` selects
+    pages per query block and attends only the tiles holding selected pages.
     """
     b, t = tokens.shape
     positions = _positions(tokens)
@@ -109,13 +156,17 @@ def sparse_hidden(config: Qwen3Config, params: Params, tokens: jax.Array, schedu
         k_max = schedule.k_max
     model = bind(config, params)
     dense_layers = set(schedule.dense_layers)
+    dense_before = None if prompt_lens is None else prompt_lens - 1
 
     def attention(layer, q, k, v):
         if layer in dense_layers:
-            return causal_attention(q, k, v, chunk=chunk)
-        dense_before = None if prompt_lens is None else prompt_lens - 1
-        mask_fn = sparse_page_mask_fn(jax.lax.stop_gradient(k), budget, k_max, schedule, dense_before)
-        return causal_attention(q, k, v, chunk=chunk, page_mask_fn=mask_fn, page_size=schedule.page_size)
+            return whole_sequence_attention(q, k, v, impl=impl, chunk=chunk)
+        if resolve_causal_impl(impl, dtype=q.dtype, head_dim=q.shape[-1], seq_len=t, paged=True) == "reference":
+            mask_fn = sparse_page_mask_fn(jax.lax.stop_gradient(k), budget, k_max, schedule, dense_before)
+            return causal_attention(q, k, v, chunk=chunk or 256, page_mask_fn=mask_fn, page_size=schedule.page_size)
+        idx, valid = sparse_page_selection(q, k, budget, k_max, schedule)
+        return whole_sequence_attention(q, k, v, impl=impl, page_idx=idx, page_valid=valid,
+                                        page_size=schedule.page_size, dense_before=dense_before, chunk=chunk)
 
     return model(tokens, positions, attention, remat=remat)
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import time
 from typing import Any, NamedTuple, Optional
 
 import jax
@@ -60,6 +61,7 @@ class StepOptions:
     num_bins: int = 8  # position bins reported for alpha statistics (the last pools later positions)
     bin_width: int = 128
     seq_chunk: int = 128
+    attention_impl: str = "auto"  # whole-sequence attention (sparrow_jax.attention.whole_sequence); "reference" = XLA
 
 
 @dataclasses.dataclass(frozen=True)
@@ -139,7 +141,7 @@ def _no_grad_logprobs(config: Qwen3Config, params, tokens: jax.Array, chunks: in
     """Log-probs (and final hidden states) of ``params`` on ``tokens``, ``chunks`` row chunks at a
     time, without gradient. -> (logp [B, T], hidden [B, T, H] or None)"""
     def one(tok):
-        hidden = dense_hidden(config, params, tok)
+        hidden = dense_hidden(config, params, tok, impl=opts.attention_impl)
         logp, _ = token_logprobs(hidden, unembedding(config, params), tok, opts.temperature, seq_chunk=opts.seq_chunk)
         return logp, (hidden if keep_hidden else None)
 
@@ -149,7 +151,7 @@ def _no_grad_logprobs(config: Qwen3Config, params, tokens: jax.Array, chunks: in
 
 
 def _policy_loss(params, config: Qwen3Config, mb: _Rows, opts: StepOptions):
-    hidden = dense_hidden(config, params, mb.tokens, remat=opts.remat)
+    hidden = dense_hidden(config, params, mb.tokens, remat=opts.remat, impl=opts.attention_impl)
     logp, entropy = token_logprobs(hidden, unembedding(config, params), mb.tokens, opts.temperature,
                                    seq_chunk=opts.seq_chunk)
     return grpo_loss(logp, mb.logp_old, mb.advantages, mb.mask, clip_low=opts.clip_low, clip_high=opts.clip_high,
@@ -162,46 +164,58 @@ def _all_finite(tree) -> jax.Array:
     return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)]))
 
 
+def _mini_batches(rows: _Rows, opts: StepOptions) -> _Rows:
+    """Rows -> [mini_batches, micro_batches, rows per micro-batch, ...] per field."""
+    return jax.tree.map(lambda x: _split_rows(x, opts.mini_batches, opts.micro_batches), rows)
+
+
+def _update_grads(params, minis: _Rows, u, config: Qwen3Config, opts: StepOptions):
+    """Forward + backward of update ``u``: the gradient of mini-batch ``u % mini_batches``, accumulated
+    over its ``micro_batches`` chunks (memory only). -> (grads, loss, weighted loss metrics)"""
+    mini = jax.tree.map(lambda x: x[u % opts.mini_batches], minis)
+    weights = _micro_batch_weights(mini.mask, opts.loss_agg, opts.global_rows)
+    grad_fn = jax.value_and_grad(_policy_loss, has_aux=True)
+
+    def accumulate(grads_acc, micro_and_weight):
+        micro, w = micro_and_weight
+        (loss, metrics), grads = grad_fn(params, config, micro, opts)
+        return jax.tree.map(lambda a, g: a + g * w, grads_acc, grads), (loss, metrics)
+
+    # Accumulate in float32 (bf16 params: a sum of micro-batch gradients in bf16 loses bits, and
+    # bf16 + f32 * w would change the scan carry's dtype), then back to the params' dtype for
+    # the optimiser, whose state has it.
+    zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
+    grads, (losses, metrics) = jax.lax.scan(accumulate, zeros, (mini, weights))
+    grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
+    return grads, jnp.sum(losses * weights), {k: jnp.sum(v * weights) for k, v in metrics.items()}
+
+
+def _apply_update(params, opt_state, grads, loss, metrics: dict, optimizer: optax.GradientTransformation):
+    """The optimiser step, skipped (params and optimiser state unchanged) unless the loss and every
+    gradient are finite. -> (params, opt_state, metrics with loss and grad norm, finite)"""
+    finite = jnp.isfinite(loss) & _all_finite(grads)
+    updates, new_opt_state = optimizer.update(grads, opt_state, params)
+    new_params = optax.apply_updates(params, updates)
+    keep_if_finite = lambda new, old: jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)
+    out = dict(metrics, **{"loss": loss, "actor/grad_norm": optax.tree.norm(grads)})
+    return keep_if_finite(new_params, params), keep_if_finite(new_opt_state, opt_state), out, finite
+
+
 def _ppo_updates(params, opt_state, rows: _Rows, config: Qwen3Config, optimizer: optax.GradientTransformation,
                  opts: StepOptions):
-    """``ppo_epochs`` x ``mini_batches`` optimiser updates in one ``lax.scan``.
-
-    Each update takes the gradient of one mini-batch (accumulated over ``micro_batches``
-    chunks, which only bounds memory) and applies it unless the loss or a gradient is not
-    finite: a skipped update leaves params and optimiser state as they were.
-    -> (params, opt_state, per-update metrics {name: [U]}, finite [U] bool)
+    """``ppo_epochs`` x ``mini_batches`` optimiser updates in one ``lax.scan`` (:func:`_update_grads`
+    then :func:`_apply_update` each). -> (params, opt_state, per-update metrics {name: [U]}, finite [U] bool)
     """
-    m, n = opts.mini_batches, opts.micro_batches
-    minis = jax.tree.map(lambda x: _split_rows(x, m, n), rows)
-    grad_fn = jax.value_and_grad(_policy_loss, has_aux=True)
+    minis = _mini_batches(rows, opts)
 
     def update(carry, u):
         params, opt_state = carry
-        mini = jax.tree.map(lambda x: x[u % m], minis)
-        weights = _micro_batch_weights(mini.mask, opts.loss_agg, opts.global_rows)
-
-        def accumulate(grads_acc, micro_and_weight):
-            micro, w = micro_and_weight
-            (loss, metrics), grads = grad_fn(params, config, micro, opts)
-            return jax.tree.map(lambda a, g: a + g * w, grads_acc, grads), (loss, metrics)
-
-        # Accumulate in float32 (bf16 params: a sum of micro-batch gradients in bf16 loses bits, and
-        # bf16 + f32 * w would change the scan carry's dtype), then back to the params' dtype for
-        # the optimiser, whose state has it.
-        zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
-        grads, (losses, metrics) = jax.lax.scan(accumulate, zeros, (mini, weights))
-        grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
-        loss = jnp.sum(losses * weights)
-        finite = jnp.isfinite(loss) & _all_finite(grads)
-        updates, new_opt_state = optimizer.update(grads, opt_state, params)
-        new_params = optax.apply_updates(params, updates)
-        keep_if_finite = lambda new, old: jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)
-        out = {k: jnp.sum(v * weights) for k, v in metrics.items()}
-        out.update({"loss": loss, "actor/grad_norm": optax.tree.norm(grads)})
-        return (keep_if_finite(new_params, params), keep_if_finite(new_opt_state, opt_state)), (out, finite)
+        grads, loss, metrics = _update_grads(params, minis, u, config, opts)
+        params, opt_state, out, finite = _apply_update(params, opt_state, grads, loss, metrics, optimizer)
+        return (params, opt_state), (out, finite)
 
     (params, opt_state), (metrics, finite) = jax.lax.scan(update, (params, opt_state),
-                                                          jnp.arange(opts.ppo_epochs * m))
+                                                          jnp.arange(opts.ppo_epochs * opts.mini_batches))
     return params, opt_state, metrics, finite
 
 
@@ -217,7 +231,8 @@ def _mean_over_finite_updates(metrics: dict, finite: jax.Array) -> dict:
 
 def _alpha_stats(config, params, sparse_params, tokens, prompt_lens, hidden_dense, schedule, opts):
     """Exact per-token acceptance rate and KL of the sparse actor vs the dense policy. -> 2 x [B, T]"""
-    h_sparse = jax.lax.stop_gradient(sparse_hidden(config, sparse_params, tokens, schedule, prompt_lens=prompt_lens))
+    h_sparse = jax.lax.stop_gradient(sparse_hidden(config, sparse_params, tokens, schedule, prompt_lens=prompt_lens,
+                                                   impl=opts.attention_impl))
     m = per_token_mismatch(hidden_dense, h_sparse, unembedding(config, params), unembedding(config, sparse_params),
                            tokens, temperature=opts.temperature, seq_chunk=opts.seq_chunk)
     return m["alpha"], m["kl"]
@@ -232,7 +247,7 @@ def _lora_loss(lora, base_params, config: Qwen3Config, lora_cfg: LoraConfig, bat
     """
     sparse_params = with_lora(jax.lax.stop_gradient(base_params), lora, lora_cfg)
     h_sparse = sparse_hidden(config, sparse_params, batch.tokens, schedule, remat=opts.remat,
-                             prompt_lens=batch.prompt_lens)
+                             prompt_lens=batch.prompt_lens, impl=opts.attention_impl)
     w_dense = jax.lax.stop_gradient(unembedding(config, base_params))
     w_sparse = unembedding(config, sparse_params)
     t = opts.temperature
@@ -260,6 +275,77 @@ def _lora_loss(lora, base_params, config: Qwen3Config, lora_cfg: LoraConfig, bat
                   jax.lax.stop_gradient(alpha), jax.lax.stop_gradient(kl_exact), logp_sparse_old)
 
 
+def _check_step(batch: Batch, ref_params, opts: StepOptions) -> int:
+    """Raise on a batch / options mismatch; -> row chunks of the no-grad passes."""
+    b = batch.tokens.shape[0]
+    chunks = opts.mini_batches * opts.micro_batches
+    if b % chunks:
+        raise ValueError(f"batch of {b} rows is not divisible by mini_batches * micro_batches = "
+                         f"{opts.mini_batches} * {opts.micro_batches}")
+    if (opts.kl_coef > 0) != (ref_params is not None):
+        raise ValueError(f"train_step: kl_coef={opts.kl_coef} needs ref_params exactly when kl_coef > 0")
+    return chunks
+
+
+def _old_policy(params, batch: Batch, *, config: Qwen3Config, opts: StepOptions, chunks: int, keep_hidden: bool):
+    """No grad: the policy that produced the batch scores it (logp_old, also the TIS reference),
+    then TIS weights and ratio masking. -> (logp_old, hidden or None, weights or None, loss mask, metrics)"""
+    logp_old, hidden = _no_grad_logprobs(config, params, batch.tokens, chunks, opts, keep_hidden)
+    out, weights, loss_mask = {}, None, batch.mask
+    if opts.tis_cap > 0 or opts.tis_mask_bounds is not None:
+        weights, keep, out = tis_weights_and_keep(logp_old, batch.logp_sampler, batch.mask,
+                                                  cap=opts.tis_cap or None, level=opts.tis_level,
+                                                  mask_ratio_bounds=opts.tis_mask_bounds)
+        loss_mask = batch.mask * keep  # rejected tokens leave the loss and its denominator (verl rollout_rs)
+        weights = weights if opts.tis_cap > 0 else None
+    return logp_old, hidden, weights, loss_mask, out
+
+
+def _ref_logprobs(ref_params, tokens, *, config: Qwen3Config, opts: StepOptions, chunks: int):
+    return _no_grad_logprobs(config, ref_params, tokens, chunks, opts, False)[0]
+
+
+def _sparse_actor(params, batch: Batch, hidden, sparse_params, lora_state: Optional[LoraState], *, config, schedule,
+                  opts: StepOptions, lora_cfg, lora_optimizer, distill: DistillOptions):
+    """The sparse scorer: per-token acceptance rate and KL of the sparse actor vs the dense policy
+    ``params`` (and, with ``lora_state``, DistillSparse's LoRA updates).
+    -> (alpha [B, T], kl [B, T], new LoRA state or None, metrics)"""
+    if lora_state is None:
+        sp = params if sparse_params is None else sparse_params
+        alpha, kl = _alpha_stats(config, params, sp, batch.tokens, batch.prompt_lens, hidden, schedule, opts)
+        return alpha, kl, None, {}
+    lora_grad = jax.value_and_grad(_lora_loss, has_aux=True)
+
+    def apply_lora_grads(lora_st: LoraState, grads) -> LoraState:
+        updates, opt = lora_optimizer.update(grads, lora_st.opt_state, lora_st.lora)
+        return LoraState(optax.apply_updates(lora_st.lora, updates), opt)
+
+    (_, (dmetrics, alpha, kl, logp_sparse_old)), lora_grads = lora_grad(
+        lora_state.lora, params, config, lora_cfg, batch, hidden, schedule, opts, distill)
+    new_lora_state = apply_lora_grads(lora_state, lora_grads)
+
+    def another_update(lora_st: LoraState, _):  # PPO epochs of the LoRA on the same batch
+        _, grads = lora_grad(lora_st.lora, params, config, lora_cfg, batch, hidden, schedule, opts, distill,
+                             logp_sparse_old)
+        return apply_lora_grads(lora_st, grads), None
+
+    if distill.updates > 1:
+        new_lora_state, _ = jax.lax.scan(another_update, new_lora_state, None, length=distill.updates - 1)
+    # mismatch statistics are those of the actor that sampled the batch
+    return alpha, kl, new_lora_state, dict(dmetrics, **{"distill/grad_norm": optax.tree.norm(lora_grads)})
+
+
+def _step_metrics(out: dict, update_metrics: dict, finite, sparse_metrics: dict, alpha, kl, mask,
+                  opts: StepOptions) -> dict:
+    """The step's metrics: TIS, policy updates (means over finite updates), sparse actor statistics."""
+    out = dict(out)
+    out.update(_mean_over_finite_updates(update_metrics, finite))
+    if alpha is not None:
+        out.update(sparse_metrics)
+        out.update(_mismatch_metrics(alpha, kl, mask > 0, opts))
+    return out
+
+
 @functools.partial(jax.jit, static_argnames=("config", "optimizer", "opts", "lora_cfg", "lora_optimizer",
                                              "distill"), donate_argnums=(0, 3))
 def train_step(state: TrainState, batch: Batch, sparse_params=None, lora_state: Optional[LoraState] = None,
@@ -277,25 +363,13 @@ def train_step(state: TrainState, batch: Batch, sparse_params=None, lora_state: 
     policy gets gradients only from the dense PPO loss, the LoRA only from L_LoRA.
     ``ref_params``: the reference policy of the KL term (required iff ``opts.kl_coef > 0``).
     Metrics of the policy updates are means over the step's updates (verl).
+    :func:`timed_train_step` runs the same phases as separate programs and times each.
     """
-    b = batch.tokens.shape[0]
-    chunks = opts.mini_batches * opts.micro_batches
-    if b % chunks:
-        raise ValueError(f"batch of {b} rows is not divisible by mini_batches * micro_batches = "
-                         f"{opts.mini_batches} * {opts.micro_batches}")
-    if (opts.kl_coef > 0) != (ref_params is not None):
-        raise ValueError(f"train_step: kl_coef={opts.kl_coef} needs ref_params exactly when kl_coef > 0")
-    # First pass, no grad: the policy that produced the batch (logp_old, also the TIS reference).
-    logp_old, hidden = _no_grad_logprobs(config, state.params, batch.tokens, chunks, opts, schedule is not None)
-    logp_ref = None if ref_params is None else _no_grad_logprobs(config, ref_params, batch.tokens, chunks, opts,
-                                                                 False)[0]
-    out, weights, loss_mask = {}, None, batch.mask
-    if opts.tis_cap > 0 or opts.tis_mask_bounds is not None:
-        weights, keep, out = tis_weights_and_keep(logp_old, batch.logp_sampler, batch.mask,
-                                                  cap=opts.tis_cap or None, level=opts.tis_level,
-                                                  mask_ratio_bounds=opts.tis_mask_bounds)
-        loss_mask = batch.mask * keep  # rejected tokens leave the loss and its denominator (verl rollout_rs)
-        weights = weights if opts.tis_cap > 0 else None
+    chunks = _check_step(batch, ref_params, opts)
+    logp_old, hidden, weights, loss_mask, out = _old_policy(state.params, batch, config=config, opts=opts,
+                                                            chunks=chunks, keep_hidden=schedule is not None)
+    logp_ref = None if ref_params is None else _ref_logprobs(ref_params, batch.tokens, config=config, opts=opts,
+                                                             chunks=chunks)
     rows = _Rows(batch.tokens, loss_mask, batch.advantages, logp_old, weights, logp_ref)
     params, opt_state, update_metrics, finite = _ppo_updates(state.params, state.opt_state, rows, config, optimizer,
                                                              opts)
@@ -303,34 +377,94 @@ def train_step(state: TrainState, batch: Batch, sparse_params=None, lora_state: 
     # the input kept whole); pin the new state to the input's so the next step reuses this program.
     params, opt_state = jax.tree.map(lambda new, old: shard_alike(new, old)[0], (params, opt_state),
                                      (state.params, state.opt_state))
-    out.update(_mean_over_finite_updates(update_metrics, finite))
-    new_lora_state = None
+    alpha = kl = new_lora_state = None
+    sparse_metrics = {}
     if schedule is not None:
-        if lora_state is not None:
-            lora_grad = jax.value_and_grad(_lora_loss, has_aux=True)
-
-            def apply_lora_grads(lora_st: LoraState, grads) -> LoraState:
-                updates, opt = lora_optimizer.update(grads, lora_st.opt_state, lora_st.lora)
-                return LoraState(optax.apply_updates(lora_st.lora, updates), opt)
-
-            (_, (dmetrics, alpha, kl, logp_sparse_old)), lora_grads = lora_grad(
-                lora_state.lora, state.params, config, lora_cfg, batch, hidden, schedule, opts, distill)
-            new_lora_state = apply_lora_grads(lora_state, lora_grads)
-
-            def another_update(lora_st: LoraState, _):  # PPO epochs of the LoRA on the same batch
-                _, grads = lora_grad(lora_st.lora, state.params, config, lora_cfg, batch, hidden, schedule, opts,
-                                     distill, logp_sparse_old)
-                return apply_lora_grads(lora_st, grads), None
-
-            if distill.updates > 1:
-                new_lora_state, _ = jax.lax.scan(another_update, new_lora_state, None, length=distill.updates - 1)
-            out.update(dmetrics)  # mismatch statistics are those of the actor that sampled the batch
-            out["distill/grad_norm"] = optax.tree.norm(lora_grads)
-        else:
-            sp = state.params if sparse_params is None else sparse_params
-            alpha, kl = _alpha_stats(config, state.params, sp, batch.tokens, batch.prompt_lens, hidden, schedule, opts)
-        out.update(_mismatch_metrics(alpha, kl, batch.mask > 0, opts))
+        alpha, kl, new_lora_state, sparse_metrics = _sparse_actor(
+            state.params, batch, hidden, sparse_params, lora_state, config=config, schedule=schedule, opts=opts,
+            lora_cfg=lora_cfg, lora_optimizer=lora_optimizer, distill=distill)
+    out = _step_metrics(out, update_metrics, finite, sparse_metrics, alpha, kl, batch.mask, opts)
     return TrainState(state.step + 1, params, opt_state), new_lora_state, out
+
+
+# ---- the same step as separate programs, timed (the trainer's timing_s/* split) ----------------
+
+TIMING_PARTS = ("old_log_prob", "ref", "scoring", "forward_backward", "optimizer", "statistics")
+
+_old_policy_jit = jax.jit(_old_policy, static_argnames=("config", "opts", "chunks", "keep_hidden"))
+_ref_logprobs_jit = jax.jit(_ref_logprobs, static_argnames=("config", "opts", "chunks"))
+_sparse_actor_jit = jax.jit(_sparse_actor, static_argnames=("config", "opts", "lora_cfg", "lora_optimizer",
+                                                            "distill"), donate_argnums=(4,))
+_update_grads_jit = jax.jit(_update_grads, static_argnames=("config", "opts"))
+
+
+@functools.partial(jax.jit, static_argnames=("optimizer",), donate_argnums=(0, 1))
+def _apply_update_jit(params, opt_state, grads, loss, metrics, *, optimizer):
+    new_params, new_opt_state, out, finite = _apply_update(params, opt_state, grads, loss, metrics, optimizer)
+    # pin the new state to the input's layout, as train_step does
+    new_params, new_opt_state = jax.tree.map(lambda new, old: shard_alike(new, old)[0],
+                                             (new_params, new_opt_state), (params, opt_state))
+    return new_params, new_opt_state, out, finite
+
+
+@functools.partial(jax.jit, static_argnames=("opts",))
+def _step_metrics_jit(out, update_metrics, finite, sparse_metrics, alpha, kl, mask, *, opts):
+    stack = lambda xs: jax.tree.map(lambda *x: jnp.stack(x), *xs)
+    return _step_metrics(out, stack(update_metrics), jnp.stack(finite), sparse_metrics, alpha, kl, mask, opts)
+
+
+def timed_train_step(state: TrainState, batch: Batch, sparse_params=None, lora_state: Optional[LoraState] = None,
+                     ref_params=None, *, config: Qwen3Config, optimizer: optax.GradientTransformation,
+                     schedule=None, opts: StepOptions = StepOptions(), lora_cfg: Optional[LoraConfig] = None,
+                     lora_optimizer: Optional[optax.GradientTransformation] = None,
+                     distill: DistillOptions = DistillOptions()):
+    """:func:`train_step`, its phases run (and waited for) one after another, each timed, as verl's
+    ``timing_s/*``. -> (new_state, new_lora_state or None, metrics fetched to the host as floats,
+    {part: seconds} for ``TIMING_PARTS``).
+
+    Parts: ``old_log_prob`` (the batch's policy scores it; TIS weights), ``ref`` (the KL
+    reference), ``scoring`` (the sparse actor's teacher-forced scorer vs the dense policy;
+    DistillSparse's LoRA updates), ``forward_backward`` and ``optimizer`` (summed over the
+    step's updates), ``statistics`` (metric reductions and their fetch). Same computation as
+    :func:`train_step`; separate programs may round differently (float32 last bits).
+    ``state`` and ``lora_state`` are consumed (donated) as by :func:`train_step`.
+    """
+    timings = dict.fromkeys(TIMING_PARTS, 0.0)
+
+    def timed(part, fn, *args, **kw):
+        t0 = time.perf_counter()
+        result = jax.block_until_ready(fn(*args, **kw))
+        timings[part] += time.perf_counter() - t0
+        return result
+
+    chunks = _check_step(batch, ref_params, opts)
+    logp_old, hidden, weights, loss_mask, out = timed(
+        "old_log_prob", _old_policy_jit, state.params, batch, config=config, opts=opts, chunks=chunks,
+        keep_hidden=schedule is not None)
+    logp_ref = None
+    if ref_params is not None:
+        logp_ref = timed("ref", _ref_logprobs_jit, ref_params, batch.tokens, config=config, opts=opts, chunks=chunks)
+    alpha = kl = new_lora_state = None
+    sparse_metrics = {}
+    if schedule is not None:  # before the updates: it reads the step's input params, which they donate
+        alpha, kl, new_lora_state, sparse_metrics = timed(
+            "scoring", _sparse_actor_jit, state.params, batch, hidden, sparse_params, lora_state, config=config,
+            schedule=schedule, opts=opts, lora_cfg=lora_cfg, lora_optimizer=lora_optimizer, distill=distill)
+    minis = _mini_batches(_Rows(batch.tokens, loss_mask, batch.advantages, logp_old, weights, logp_ref), opts)
+    params, opt_state, update_metrics, finite = state.params, state.opt_state, [], []
+    for u in range(opts.ppo_epochs * opts.mini_batches):
+        grads, loss, metrics = timed("forward_backward", _update_grads_jit, params, minis, u, config=config, opts=opts)
+        params, opt_state, metrics, ok = timed("optimizer", _apply_update_jit, params, opt_state, grads, loss,
+                                               metrics, optimizer=optimizer)
+        update_metrics.append(metrics)
+        finite.append(ok)
+
+    def fetch():
+        m = _step_metrics_jit(out, update_metrics, finite, sparse_metrics, alpha, kl, batch.mask, opts=opts)
+        return jax.device_get(m)
+
+    host = timed("statistics", fetch)
+    return TrainState(state.step + 1, params, opt_state), new_lora_state, host, timings
 
 
 def _mismatch_metrics(alpha: jax.Array, kl: jax.Array, mask: jax.Array, opts: StepOptions) -> dict:

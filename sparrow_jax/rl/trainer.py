@@ -40,8 +40,8 @@ from sparrow_jax.rl.collect import CollectOptions, collect_batch, completion_len
 from sparrow_jax.rl.context import RunContext
 from sparrow_jax.rl.guards import assert_finite, nonfinite_streak
 from sparrow_jax.rl.long_cot import mask_truncated, response_length_metrics
-from sparrow_jax.rl.train_step import (Batch, DistillOptions, LoraState, StepOptions, TrainState, init_train_state,
-                                       make_optimizer, train_step)
+from sparrow_jax.rl.train_step import (TIMING_PARTS, Batch, DistillOptions, LoraState, StepOptions, TrainState,
+                                       init_train_state, make_optimizer, timed_train_step)
 from sparrow_jax.rollout import SparsitySchedule, generate, generate_continuous
 from sparrow_jax.rollout.schedule_control import (ControllerSettings, ControllerState, controller_step_jit,
                                                   controller_topk, dense_topk_by_bin, failed_topk_from_table,
@@ -393,17 +393,20 @@ def collect(loop: Loop, state: LoopState, key) -> tuple[Batch, dict, jax.Array]:
 
 
 def update(loop: Loop, state: LoopState, batch: Batch) -> tuple[LoopState, dict]:
-    """One compiled train step (policy, and the LoRA with DistillSparse); metrics fetched once."""
-    t0 = time.perf_counter()
+    """One train step (policy, and the LoRA with DistillSparse), its phases timed as verl's
+    ``timing_s/*``: ``timing_s/update_actor`` is the sum of ``timing_s/<part>`` over
+    :data:`TIMING_PARTS` (``ref`` only with a KL reference)."""
     kw = dict(config=loop.ctx.model_config, optimizer=loop.optimizer, schedule=current_schedule(loop, state),
               opts=loop.opts)
     if state.lora is not None:
         kw.update(lora_cfg=loop.lora_cfg, lora_optimizer=loop.lora_optimizer, distill=loop.distill)
-    train, lora, m = train_step(state.train, batch, None, state.lora, loop.ref_params, **kw)
-    host = jax.device_get(m)  # one transfer for the whole metrics dict
+    train, lora, host, timings = timed_train_step(state.train, batch, None, state.lora, loop.ref_params, **kw)
     metrics = {k: float(v) if np.ndim(v) == 0 else v for k, v in host.items()  # arrays: histograms
                if np.ndim(v) or np.isfinite(v) or "/bin_" not in k}  # empty bins: omit
-    metrics["timing_s/update_actor"] = time.perf_counter() - t0
+    if loop.ref_params is None:
+        timings.pop("ref")
+    metrics.update({f"timing_s/{part}": seconds for part, seconds in timings.items()})
+    metrics["timing_s/update_actor"] = sum(timings.values())
     return state._replace(train=train, lora=lora), metrics
 
 

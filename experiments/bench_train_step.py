@@ -1,0 +1,183 @@
+"""The RL train step with the reference attention vs the fast whole-sequence attention path.
+
+    python -m experiments.bench_train_step [--lengths 1536 4096 8192] [--repeats 3]
+    python -m experiments.bench_train_step --model Qwen3-1.7B --lengths 8192 32768   # one layer, bf16 (GPU)
+
+Default: the quickstart's train step (its model, configs/quickstart.py -> long_trace: 2 layers,
+both sparse, quest pages of 16, random weights) on ``rows x length`` random tokens (rows =
+``--tokens_per_step // length``: 16 rows at 1.5K as in the quickstart), prompts the first 56%
+of each row (888 of 1592 in the quickstart), a sparse schedule of ``--topk`` pages. One jitted
+``train_step`` per side: ``reference`` (``StepOptions.attention_impl="reference"``, the chunked
+XLA attention) and ``fast`` (``auto``: blockwise on CPU, cuDNN on GPU, Pallas on TPU).
+``--model <Qwen3 preset>``: one decoder layer of that shape in bfloat16, forward + backward of
+``dense_hidden`` instead (the attention-bound part of the step at long contexts).
+
+Both sides run once untimed (compilation), then alternate ``--repeats`` times; the median
+is reported. GFLOP/s count the same useful FLOPs for both sides (:func:`step_flops`: matmuls
+of the weights and of causal attention over the keys each query sees; the backward pass
+twice the forward). ``matmul_peak_gflops``: the best of a ``--peak_size``-square float32
+matmul timed in the same run, before and after. The last stdout line is JSON with both
+sides, their ratio per length and ``fast_fraction_of_peak``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from sparrow_jax.models.config import Qwen3Config
+from sparrow_jax.models.forward import dense_hidden
+from sparrow_jax.models.qwen3 import init_params
+from sparrow_jax.rl.train_step import Batch, StepOptions, init_train_state, make_optimizer, train_step
+from sparrow_jax.rollout import SparsitySchedule
+
+SIDES = {"reference": "reference", "fast": "auto"}
+PROMPT_SHARE = 888 / 1592  # the quickstart's prompt / row length
+
+
+def quickstart_model() -> tuple[Qwen3Config, dict]:
+    """The quickstart's model config and its schedule layout (page size, bin width, selector, dense layers)."""
+    from configs.quickstart import get_config
+
+    c = get_config()
+    schedule = dict(page_size=c.schedule.page_size, bin_width=c.schedule.bin_width, selector=c.schedule.selector,
+                    dense_layers=tuple(c.schedule.dense_layers))
+    return Qwen3Config(**dict(c.model.tiny)), schedule
+
+
+def forward_flops(config: Qwen3Config, rows: int, length: int, keys_per_query: np.ndarray,
+                  unembed: bool = True) -> float:
+    """Matmul FLOPs of one forward pass: weights (and the unembedding) per token, plus per layer
+    ``4 * H * D`` per (query, key) pair; ``keys_per_query`` [L, T]: the keys each query sees."""
+    h, hd, kvh = config.hidden_size, config.head_dim, config.num_key_value_heads
+    per_layer = h * config.num_attention_heads * hd * 2 + 2 * h * kvh * hd + 3 * h * config.intermediate_size
+    weights = config.num_hidden_layers * per_layer + (h * config.vocab_size if unembed else 0)
+    attention = 4 * config.num_attention_heads * hd * float(np.sum(keys_per_query))
+    return rows * (2 * length * weights + attention)
+
+
+def step_flops(config: Qwen3Config, rows: int, length: int, schedule: SparsitySchedule) -> float:
+    """The train step: old-policy forward + policy forward and backward (3x) with dense attention,
+    the sparse scorer's forward (a query sees at most ``topk + reserved`` pages) and the dense
+    logits again for the mismatch statistics."""
+    causal = np.arange(1, length + 1, dtype=np.float64)
+    layers = config.num_hidden_layers
+    dense = forward_flops(config, rows, length, np.broadcast_to(causal, (layers, length)))
+    budget = (np.asarray(schedule.topk_at(np.arange(length))) + schedule.reserved) * schedule.page_size
+    sparse_keys = np.stack([causal if i in schedule.dense_layers else np.minimum(causal, budget) for i in range(layers)])
+    sparse = forward_flops(config, rows, length, sparse_keys)
+    return 4 * dense + sparse + rows * length * 2 * config.hidden_size * config.vocab_size
+
+
+def matmul_peak_gflops(size: int, repeats: int = 5) -> float:
+    """Best GFLOP/s of a ``size``-square float32 matmul on this backend."""
+    a = jax.random.normal(jax.random.PRNGKey(0), (size, size), jnp.float32)
+    mm = jax.jit(lambda x, y: x @ y)
+    jax.block_until_ready(mm(a, a))
+    best = min(_timed(lambda: mm(a, a)) for _ in range(repeats))
+    return 2 * size ** 3 / best / 1e9
+
+
+def _timed(fn) -> float:
+    t0 = time.perf_counter()
+    jax.block_until_ready(fn())
+    return time.perf_counter() - t0
+
+
+def _train_step_runner(config, schedule, rows, length, impl, seed=0):
+    """A closure timing one train step on fresh state (the step donates its input state)."""
+    r = np.random.RandomState(seed)
+    prompt = int(length * PROMPT_SHARE)
+    batch = Batch(tokens=jnp.asarray(r.randint(0, config.vocab_size, (rows, length)), jnp.int32),
+                  mask=jnp.asarray(np.broadcast_to(np.arange(length) >= prompt, (rows, length)), jnp.float32),
+                  logp_sampler=jnp.asarray(-3 * r.rand(rows, length), jnp.float32),
+                  advantages=jnp.asarray(r.randn(rows), jnp.float32),
+                  prompt_lens=jnp.full((rows,), prompt, jnp.int32))
+    optimizer = make_optimizer(1e-4)
+    params = init_params(config, seed)
+    opts = StepOptions(attention_impl=impl, bin_width=schedule.bin_width,
+                       num_bins=max(1, -(-length // schedule.bin_width)))
+
+    def run():
+        state = init_train_state(jax.tree.map(jnp.copy, params), optimizer)
+        jax.block_until_ready(state)
+        return _timed(lambda: train_step(state, batch, config=config, optimizer=optimizer, schedule=schedule,
+                                         opts=opts)[2])
+    return run
+
+
+def _layer_runner(config, rows, length, impl, seed=0):
+    """A closure timing forward + backward of ``dense_hidden`` (no unembedding) on random tokens."""
+    r = np.random.RandomState(seed)
+    tokens = jnp.asarray(r.randint(0, config.vocab_size, (rows, length)), jnp.int32)
+    params = init_params(config, seed)
+    grad = jax.jit(jax.grad(lambda p: jnp.sum(dense_hidden(config, p, tokens, impl=impl).astype(jnp.float32))))
+    return lambda: _timed(lambda: grad(params))
+
+
+def measure(lengths, repeats: int, tokens_per_step: int, topk: int, model: str = "", layers: int = 1,
+            peak_size: int = 2048) -> dict:
+    """Seconds and GFLOP/s of both sides at each length; returns the summary printed as JSON."""
+    peak = matmul_peak_gflops(peak_size)
+    results = []
+    for length in lengths:
+        rows = max(1, tokens_per_step // length)
+        if model:
+            config = Qwen3Config.preset(model, num_hidden_layers=layers, dtype="bfloat16", param_dtype="bfloat16")
+            flops = 3 * forward_flops(config, rows, length, np.broadcast_to(np.arange(1.0, length + 1),
+                                                                            (layers, length)), unembed=False)
+            runners = {side: _layer_runner(config, rows, length, impl) for side, impl in SIDES.items()}
+        else:
+            config, layout = quickstart_model()
+            schedule = SparsitySchedule(topk=(topk,), **layout)
+            flops = step_flops(config, rows, length, schedule)
+            runners = {side: _train_step_runner(config, schedule, rows, length, impl) for side, impl in SIDES.items()}
+        times = {side: [] for side in SIDES}
+        for run in runners.values():
+            run()  # compile
+        for _ in range(repeats):  # alternated, so load from other processes hits both sides alike
+            for side, run in runners.items():
+                times[side].append(run())
+        entry = {"length": length, "rows": rows, "gflop": flops / 1e9}
+        for side, ts in times.items():
+            median = float(np.median(ts))
+            entry[side] = {"median_s": median, "times_s": ts, "gflops": flops / median / 1e9}
+        entry["speedup"] = entry["reference"]["median_s"] / entry["fast"]["median_s"]
+        entry["fast_fraction_of_peak"] = entry["fast"]["gflops"] / peak
+        results.append(entry)
+        print(f"T={length:6d} rows={rows:3d}: reference {entry['reference']['median_s']:8.3f} s "
+              f"({entry['reference']['gflops']:6.1f} GFLOP/s), fast {entry['fast']['median_s']:8.3f} s "
+              f"({entry['fast']['gflops']:6.1f} GFLOP/s), {entry['speedup']:.2f}x", flush=True)
+    peak = max(peak, matmul_peak_gflops(peak_size))  # the best of before and after
+    print(f"matmul peak {peak:.1f} GFLOP/s", flush=True)
+    for entry in results:
+        entry["fast_fraction_of_peak"] = entry["fast"]["gflops"] / peak
+    return {"backend": jax.default_backend(), "model": model or "quickstart", "matmul_peak_gflops": peak,
+            "results": results}
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--lengths", type=int, nargs="+", default=[1536, 4096, 8192], help="tokens per row")
+    parser.add_argument("--repeats", type=int, default=3, help="timed runs per side (alternating)")
+    parser.add_argument("--tokens_per_step", type=int, default=16 * 1536, help="rows = this // length")
+    parser.add_argument("--topk", type=int, default=32, help="sparse scorer's top-k pages (quickstart budgets 16-80)")
+    parser.add_argument("--model", default="", help="a Qwen3 preset (e.g. Qwen3-1.7B): time its layers instead")
+    parser.add_argument("--layers", type=int, default=1, help="layers of --model")
+    parser.add_argument("--peak_size", type=int, default=2048, help="side of the matmul timed for the peak")
+    args = parser.parse_args(argv)
+    for name in ("repeats", "tokens_per_step", "layers", "peak_size"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name} must be >= 1, got {getattr(args, name)}")
+    summary = measure(args.lengths, args.repeats, args.tokens_per_step, args.topk, args.model, args.layers,
+                      args.peak_size)
+    print(json.dumps(summary))
+    return summary
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,150 @@
+"""The whole-sequence attention entry: every fast path against the XLA reference (values and
+gradients, f32, max abs diff <= 1e-5) on ragged lengths, GQA, per-query page sets and dense
+prompt prefixes; the per-backend dispatch; bad input. CPU, tiny shapes."""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from sparrow_jax.attention import whole_sequence
+from sparrow_jax.attention.blockwise import blockwise_attention
+from sparrow_jax.attention.whole_sequence import resolve_causal_impl, whole_sequence_attention
+from sparrow_jax.models.config import tiny_config
+from sparrow_jax.models.forward import sparse_hidden
+from sparrow_jax.models.qwen3 import init_params
+from sparrow_jax.rollout.schedule import SparsitySchedule
+
+TOL = 1e-5
+
+
+def _inputs(seed, b=2, t=45, hkv=2, g=2, d=8):
+    r = np.random.RandomState(seed)
+    q, k, v, w = (r.randn(*s).astype(np.float32) for s in
+                  [(b, t, hkv * g, d), (b, t, hkv, d), (b, t, hkv, d), (b, t, hkv * g, d)])
+    return q, k, v, w
+
+
+def _value_and_grads(attend, q, k, v, w):
+    """(output, d<out * w>/dq, dk, dv): a random cotangent, so every output element's gradient counts."""
+    out = attend(q, k, v)
+    grads = jax.grad(lambda q, k, v: jnp.sum(attend(q, k, v) * w), argnums=(0, 1, 2))(q, k, v)
+    return (out, *grads)
+
+
+def _max_diffs(a, b):
+    return [float(jnp.max(jnp.abs(x - y))) for x, y in zip(a, b)]
+
+
+@pytest.mark.parametrize("t, block", [(45, 8), (45, 16), (13, 64), (64, 16)])  # ragged and exact tiles, one tile
+def test_blockwise_dense_matches_reference(t, block):
+    q, k, v, w = _inputs(0, t=t)
+    ref = jax.jit(lambda *a: _value_and_grads(functools.partial(whole_sequence_attention, impl="reference",
+                                                                chunk=7), *a))(q, k, v, w)
+    got = jax.jit(lambda *a: _value_and_grads(functools.partial(blockwise_attention, block=block), *a))(q, k, v, w)
+    assert max(_max_diffs(ref, got)) <= TOL
+
+
+def _random_selection(seed, b, hkv, t, page, n, sparse_union):
+    """Per-query page sets [B, Hkv, T, N]: the current page always, plus random earlier pages
+    (``sparse_union``: only pages 0-1, so most key tiles hold no selected page and are skipped)."""
+    r = np.random.RandomState(seed)
+    cur = np.arange(t) // page
+    hi = 2 if sparse_union else cur.max() + 1
+    idx = r.randint(0, hi, (b, hkv, t, n))
+    idx = np.minimum(idx, cur[None, None, :, None])  # never a page past the query's
+    valid = r.rand(b, hkv, t, n) < 0.7
+    idx[..., 0], valid[..., 0] = np.broadcast_to(cur, (b, hkv, t)), True
+    return jnp.asarray(idx, jnp.int32), jnp.asarray(valid)
+
+
+@pytest.mark.parametrize("sparse_union", [False, True])
+@pytest.mark.parametrize("block", [8, 32])
+def test_blockwise_paged_matches_reference(sparse_union, block):
+    b, t, hkv, page = 2, 45, 2, 4
+    q, k, v, w = _inputs(1, b=b, t=t, hkv=hkv)
+    idx, valid = _random_selection(2, b, hkv, t, page, 5, sparse_union)
+    dense_before = jnp.array([10, 0], jnp.int32)  # row 0: a dense prompt prefix; row 1: none
+    kw = dict(page_idx=idx, page_valid=valid, page_size=page, dense_before=dense_before)
+    ref = jax.jit(lambda *a: _value_and_grads(functools.partial(whole_sequence_attention, impl="reference",
+                                                                chunk=5, **kw), *a))(q, k, v, w)
+    got = jax.jit(lambda *a: _value_and_grads(functools.partial(whole_sequence_attention, impl="blockwise",
+                                                                chunk=block, **kw), *a))(q, k, v, w)
+    assert max(_max_diffs(ref, got)) <= TOL
+    # the page sets matter: dense attention differs from both
+    dense = jax.jit(functools.partial(blockwise_attention, block=block))(q, k, v)
+    assert float(jnp.max(jnp.abs(dense - got[0]))) > 1e-2
+
+
+@pytest.mark.parametrize("selector", ["centroid", "quest"])
+def test_sparse_hidden_blockwise_matches_reference_with_grads(selector):
+    """The sparse scorer end to end (per-query page selection, dense prompt prefix, a dense layer):
+    hidden states and parameter gradients of the fast path equal the reference's. Parameter
+    gradients sum over every token (entries up to ~1e2), so their bound is relative to each
+    leaf's largest entry (f32 summation order alone moves them by a few 1e-6 of it)."""
+    config = tiny_config(num_hidden_layers=3)
+    params = init_params(config, seed=3)
+    schedule = SparsitySchedule(topk=(0, 2, 3), bin_width=16, page_size=4, dense_layers=(0,), selector=selector)
+    tokens = jnp.asarray(np.random.RandomState(4).randint(0, config.vocab_size, (2, 42)), jnp.int32)
+    prompt_lens = jnp.array([9, 14], jnp.int32)
+    w = jnp.asarray(np.random.RandomState(5).randn(2, 42, config.hidden_size), jnp.float32)
+
+    def run(impl):
+        f = lambda p: sparse_hidden(config, p, tokens, schedule, k_max=3, prompt_lens=prompt_lens, impl=impl,
+                                    chunk=8)
+        return f(params), jax.grad(lambda p: jnp.sum(f(p) * w))(params)
+
+    (h_ref, g_ref), (h_got, g_got) = jax.jit(lambda: run("reference"))(), jax.jit(lambda: run("blockwise"))()
+    assert float(jnp.max(jnp.abs(h_ref - h_got))) <= TOL
+    for ref, got in zip(jax.tree.leaves(g_ref), jax.tree.leaves(g_got)):
+        assert float(jnp.max(jnp.abs(ref - got))) <= TOL * max(1.0, float(jnp.max(jnp.abs(ref))))
+
+
+def test_auto_on_cpu_is_blockwise():
+    q, k, v, _ = _inputs(6)
+    assert resolve_causal_impl("auto", dtype=jnp.float32, head_dim=8, seq_len=45, paged=False) == "blockwise"
+    np.testing.assert_array_equal(np.asarray(whole_sequence_attention(q, k, v)),
+                                  np.asarray(blockwise_attention(q, k, v, block=128)))
+
+
+def test_dispatch_per_backend(monkeypatch):
+    resolve = functools.partial(resolve_causal_impl, head_dim=128, seq_len=8192)
+    bf16, f32 = jnp.bfloat16, jnp.float32
+    assert resolve("auto", dtype=bf16, paged=False, platform="gpu") == "cudnn"
+    assert resolve("auto", dtype=jnp.float16, paged=False, platform="gpu") == "cudnn"
+    assert resolve("auto", dtype=f32, paged=False, platform="gpu") == "blockwise"  # cuDNN: half precision only
+    assert resolve_causal_impl("auto", dtype=bf16, head_dim=256, seq_len=8192, paged=False,
+                               platform="gpu") == "blockwise"
+    assert resolve("auto", dtype=bf16, paged=True, platform="gpu") == "blockwise"  # page sets
+    monkeypatch.setattr(whole_sequence, "_pallas_tpu_flash", lambda: object())
+    assert resolve("auto", dtype=bf16, paged=False, platform="tpu") == "pallas_tpu"
+    assert resolve_causal_impl("auto", dtype=bf16, head_dim=128, seq_len=1000, paged=False,
+                               platform="tpu") == "blockwise"  # not a multiple of 128
+    monkeypatch.setattr(whole_sequence, "_pallas_tpu_flash", lambda: None)  # a jax without the kernel
+    assert resolve("auto", dtype=bf16, paged=False, platform="tpu") == "blockwise"
+    assert resolve("reference", dtype=bf16, paged=True, platform="tpu") == "reference"
+
+
+@pytest.mark.parametrize("impl, platform, paged, match", [
+    ("flash", "cpu", False, "unknown causal attention implementation 'flash'"),
+    ("cudnn", "cpu", False, "needs a GPU"),
+    ("pallas_tpu", "gpu", False, "needs a TPU"),
+    ("cudnn", "gpu", True, "takes no per-query page sets"),
+])
+def test_dispatch_rejects_what_cannot_run(impl, platform, paged, match):
+    with pytest.raises(ValueError, match=match):
+        resolve_causal_impl(impl, dtype=jnp.bfloat16, head_dim=128, seq_len=256, paged=paged, platform=platform)
+
+
+def test_blockwise_rejects_bad_page_sets():
+    q, k, v, _ = _inputs(7)
+    idx, valid = _random_selection(8, 2, 2, 45, 4, 3, False)
+    with pytest.raises(ValueError, match="page_idx and page_valid must both be"):
+        blockwise_attention(q, k, v, page_idx=idx[:, :, :40], page_valid=valid[:, :, :40], page_size=4)
+    with pytest.raises(ValueError, match="block=10 must be a multiple of page_size=4"):
+        blockwise_attention(q, k, v, block=10, page_idx=idx, page_valid=valid, page_size=4)
+    with pytest.raises(ValueError, match="dense_before needs page_idx"):
+        blockwise_attention(q, k, v, dense_before=jnp.zeros((2,), jnp.int32))
