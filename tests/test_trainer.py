@@ -181,6 +181,11 @@ def test_sigkill_mid_run_then_resume_finishes_and_a_rerun_touches_nothing(tmp_pa
     assert proc.poll() is None and steps, proc.stdout.read() if proc.poll() is not None else "no checkpoint in 900 s"
     proc.send_signal(signal.SIGKILL)
     proc.wait()
+    from experiments.summary import summarize
+
+    text, plot = summarize(str(workdir))  # a killed run: the figures of the steps it logged
+    logged = [r["step"] for r in map(json.loads, open(workdir / "metrics.jsonl")) if "reward_mean" in r]
+    assert f"at step {len(logged)} of 6" in text and "dense validation" in text and plot.endswith("reward.png")
     proc = _run(workdir, steps=6)
     out, _ = proc.communicate(timeout=900)
     assert proc.returncode == 0, out
@@ -197,6 +202,8 @@ def test_sigkill_mid_run_then_resume_finishes_and_a_rerun_touches_nothing(tmp_pa
     assert report["speedup_timed_compiles"] == 0  # the timed rollouts reuse the untimed run's programs
     paired = report["rollout_speedup_paired"]
     assert 0 < paired["min"] <= paired["median"] == report["rollout_speedup"] <= paired["max"]
+    text, _ = summarize(str(workdir))
+    assert "finished" in text and f"{report['rollout_speedup']:.2f}x" in text
     files = {p: (p.read_bytes(), p.stat().st_mtime_ns) for p in workdir.rglob("*") if p.is_file()}
     proc = _run(workdir, steps=6)
     out, _ = proc.communicate(timeout=900)

@@ -1,0 +1,83 @@
+"""experiments.summary on workdirs whose logs the project's own writers wrote: a run's table
+equals its logged figures, a study gets a column per arm, and bad input is one line + exit 2."""
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from configs.grpo_tiny import get_config
+from experiments.summary import phase_seconds, summarize
+from sparrow_jax.io.metrics import HistogramWriter, MetricWriter
+from sparrow_jax.run.specs import parse_spec
+from sparrow_jax.run.workdir import spec_json
+
+
+def _log_run(workdir, steps_logged: int, steps: int = 4, study=None):
+    cfg = get_config()
+    cfg.steps, cfg.workdir = steps, str(workdir)
+    config = spec_json(parse_spec(cfg))
+    if study is not None:
+        config["study"] = study
+    workdir.mkdir(parents=True, exist_ok=True)
+    (workdir / "config.json").write_text(json.dumps(config))
+    return config
+
+
+def _log_steps(workdir, n: int, reward0: float = 0.1):
+    rng = np.random.default_rng(0)
+    with MetricWriter(str(workdir), resume_step=-1) as w:
+        h = HistogramWriter(str(workdir), resume_step=-1)
+        w.write(0, {"val/dense/reward_mean@2": 0.3, "val/dense/reward_mean@2_se": 0.05})
+        for step in range(1, n + 1):
+            alpha = rng.uniform(0.8, 1.0, size=200)
+            counts = np.histogram(alpha, bins=1000, range=(0.0, 1.0))[0][None]  # one bin at 0
+            w.write(step, {"reward_mean": reward0 + 0.1 * step, "response_length/mean": 10.0,
+                           "mismatch/count/bin_0": 200.0, "mismatch/alpha_p5/bin_0": float(np.percentile(alpha, 5)),
+                           "mismatch/alpha_mean/bin_0": float(alpha.mean()), "timing_s/gen": 1.0 + step,
+                           "rollout/generated_tokens": 100.0, "rollout/decode_s": 0.5,
+                           "rollout/sparse_token_fraction": 1.0})
+            h.write(step, counts, [0])
+        h.close()
+
+
+def test_summary_of_a_killed_run_then_its_report(tmp_path):
+    run = tmp_path / "run"
+    _log_run(run, 2)
+    assert summarize(str(run)) == (f"{run}: no training step logged yet", None)
+    _log_steps(run, 2)
+    text, plot = summarize(str(run))
+    lines = {line[:26].strip(): line[26:].strip() for line in text.splitlines()[1:]}  # label column, value column
+    assert lines["status"] == "at step 2 of 4"
+    assert lines["reward (sampled, train)"].startswith("0.250 -> 0.250")  # both 3-step windows hold steps 1-2
+    assert lines["dense validation"] == "0.300±0.050 -> 0.300±0.050"
+    assert lines["gen tokens / rollout s"] == "200"
+    assert lines["s/step gen"] == "3.00"  # the steps after the first (which compiles)
+    assert lines["p5 bin 0"].startswith("0.8") and "400 tok" in lines["p5 bin 0"]
+    assert lines["rollout speedup (paired)"] == "-"  # measured only when the run finishes
+    assert plot == str(run / "reward.png") and (run / "reward.png").stat().st_size > 0
+    (run / "report.json").write_text(json.dumps({"steps": 4, "rollout_speedup": 1.7,
+                                                 "rollout_speedup_paired": {"min": 1.5, "median": 1.7, "max": 1.9}}))
+    text, _ = summarize(str(run))
+    assert "1.70x (1.50-1.90)" in text and "finished" in text.splitlines()[1]  # the report holds the config's steps
+
+
+def test_study_gets_a_column_per_logged_arm(tmp_path):
+    _log_run(tmp_path, 0, study={"arms": ["dense", "calibrated", "online_dense"]})
+    _log_steps(tmp_path / "dense", 3)
+    _log_steps(tmp_path / "calibrated", 2, reward0=0.0)
+    text, plot = summarize(str(tmp_path))
+    header = text.splitlines()[0].split()
+    assert header == ["dense", "calibrated"] and plot == str(tmp_path / "study.png")
+
+
+def test_phase_seconds_is_the_median_after_the_first_step():
+    rows = [{"timing_s/gen": 9.0}, {"timing_s/gen": 1.0}, {"timing_s/gen": 3.0}, {"timing_s/gen": 2.0}]
+    assert phase_seconds(rows) == {"gen": 2.0} and phase_seconds(rows[:1]) == {"gen": 9.0}
+
+
+@pytest.mark.parametrize("args", [[], ["no/such/workdir"]])
+def test_bad_input_is_one_line_and_exit_2(args):
+    proc = subprocess.run([sys.executable, "-m", "experiments.summary", *args], capture_output=True, text=True)
+    assert proc.returncode == 2 and proc.stderr.startswith("error: ") and len(proc.stderr.splitlines()) == 1
