@@ -26,6 +26,7 @@ from sparrow_jax.data.rewards import RewardPool
 from sparrow_jax.io.checkpoint import CheckpointManager
 from sparrow_jax.io.metrics import MetricWriter, ProgressBar
 from sparrow_jax.mismatch.calibrate import validate as validate_schedule
+from sparrow_jax.mismatch.probe import candidate_tail, probe_cost_vs_dense, probe_metrics
 from sparrow_jax.models.lora import LoraConfig, init_lora, with_lora
 from sparrow_jax.parallel import (host_array, is_primary, make_mesh, mesh_context, shard_batch, shard_params,
                                   shard_train_state)
@@ -40,7 +41,7 @@ from sparrow_jax.rl.train_step import (Batch, DistillOptions, LoraState, StepOpt
 from sparrow_jax.rollout import SparsitySchedule, generate, generate_continuous
 from sparrow_jax.rollout.schedule_control import (ControllerSettings, ControllerState, controller_step_jit,
                                                   controller_topk, dense_topk_by_bin, failed_topk_from_table,
-                                                  init_controller, topk_grid)
+                                                  init_controller, probe_rejections, probed_bins, topk_grid)
 
 if TYPE_CHECKING:
     from sparrow_jax.run.specs import DistillSpec, RunSpec, ScheduleSpec, TrainSpec
@@ -207,7 +208,7 @@ def online_settings(s: ScheduleSpec, layout: SparsitySchedule, max_len: int) -> 
     return ControllerSettings(grid=topk_grid(max_topk, o.levels_per_octave, min(o.min_topk, max_topk)), tau=o.tau,
                               margin=o.margin, up_levels=o.up_levels, down_levels=o.down_levels,
                               min_tokens=o.min_tokens, smoothing=o.smoothing, z=o.z, patience=o.patience,
-                              retry_after=o.retry_after)
+                              retry_after=o.retry_after, probe=o.probe, probe_margin=o.probe_margin)
 
 
 def init_state(loop: Loop) -> LoopState:
@@ -364,15 +365,44 @@ def maybe_switch(loop: Loop, state: LoopState, key) -> tuple[LoopState, dict]:
     return state, {"distill/p5_under_switch_schedule": tail["min_p5"], "distill/switched": float(bool(state.switched))}
 
 
-def steer(loop: Loop, state: LoopState, metrics: dict) -> LoopState:
-    """schedule.kind = online: this step's per-bin p5 and token counts -> the next rollout's top-k table."""
+def steer(loop: Loop, state: LoopState, metrics: dict, batch: Optional[Batch] = None) -> tuple[LoopState, dict]:
+    """schedule.kind = online: this step's per-bin p5 and token counts -> the next rollout's top-k table.
+
+    With ``probe`` and the step's ``batch``, a proposed fall is first scored on the batch's rollouts at the
+    candidate table with the updated params (those the next rollouts use), and an active bin keeps its
+    fall only when the candidate's p5 lower bound clears tau + probe_margin (schedule_control). Returns
+    (state, metrics): the probe's per-bin predictions, its time and its predicted cost vs a dense rollout.
+    """
     if state.controller is None:
-        return state
-    starts = [i * loop.opts.bin_width for i in range(loop.opts.num_bins)]
+        return state, {}
+    settings, starts = loop.controller, [i * loop.opts.bin_width for i in range(loop.opts.num_bins)]
     p5 = jnp.asarray([metrics.get(f"mismatch/alpha_p5/bin_{b}", np.nan) for b in starts], jnp.float32)  # empty: NaN
     counts = jnp.asarray([metrics.get(f"mismatch/count/bin_{b}", 0.0) for b in starts], jnp.float32)
-    controller, topk = controller_step_jit(loop.controller, state.controller, p5, counts)
-    return state._replace(controller=controller, topk=topk)
+    controller, topk = controller_step_jit(settings, state.controller, p5, counts)
+    probed = np.asarray(probed_bins(settings, state.controller, controller))
+    if not (settings.probe and batch is not None and probed.any()):
+        return state._replace(controller=controller, topk=topk), {}
+    t0 = time.perf_counter()
+    candidate = current_schedule(loop, state._replace(topk=topk))
+    result = jax.device_get(candidate_tail(loop.ctx.model_config, state.train.params, actor_params(loop, state),
+                                           batch.tokens, batch.mask > 0, batch.prompt_lens, candidate,
+                                           num_bins=loop.opts.num_bins, bin_width=loop.opts.bin_width,
+                                           temperature=loop.opts.temperature, seq_chunk=loop.opts.seq_chunk,
+                                           z=settings.z))
+    rejected = probe_rejections(settings, state.controller, controller, result["lower"])
+    if bool(jnp.any(rejected >= 0)):
+        controller, topk = controller_step_jit(settings, state.controller, p5, counts, rejected)
+    out = probe_metrics(starts, np.asarray(candidate.topk), probed, result, np.asarray(rejected))
+    r = loop.spec.rollout
+    out["schedule/probe_cost_vs_dense"] = probe_cost_vs_dense(
+        loop.ctx.model_config, num_samples=int(batch.tokens.shape[0]),
+        prompt_len=max(1, round(metrics.get("prompt_length/mean", 1))), gen_len=r.max_new_tokens,
+        hardware=loop.spec.schedule.cost_hardware)
+    if "schedule/predicted_cost_vs_dense" in metrics:  # the step's rollout at its schedule plus the probe
+        out["schedule/controller_cost_vs_dense"] = (metrics["schedule/predicted_cost_vs_dense"]
+                                                    + out["schedule/probe_cost_vs_dense"])
+    out["timing_s/probe"] = time.perf_counter() - t0
+    return state._replace(controller=controller, topk=topk), out
 
 
 def schedule_metrics(schedule: Optional[SparsitySchedule], config, *, num_samples: int, prompt_len: int,
@@ -395,9 +425,9 @@ def rl_step(loop: Loop, state: LoopState) -> tuple[LoopState, dict]:
                                     prompt_len=max(1, round(metrics["prompt_length/mean"])), gen_len=r.max_new_tokens,
                                     hardware=loop.spec.schedule.cost_hardware))
     state, step_metrics = update(loop, state._replace(data=data), batch)
-    state = steer(loop, state, step_metrics)
+    state, control_metrics = steer(loop, state, {**metrics, **step_metrics}, batch)
     state, switch_metrics = maybe_switch(loop, state, jax.random.fold_in(key, 2))
-    metrics = {**step_metrics, **metrics, **switch_metrics}
+    metrics = {**step_metrics, **metrics, **switch_metrics, **control_metrics}
     spec = loop.spec
     if spec.eval_every and state.step % spec.eval_every == 0:
         metrics.update(evaluate(loop.ctx, state.train.params, current_schedule(loop, state), loop.ctx.eval_rows,

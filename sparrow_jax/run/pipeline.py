@@ -18,6 +18,7 @@ import numpy as np
 from sparrow_jax.io import atomic_write_json
 from sparrow_jax.io.plots import plot_curves, plot_panels
 from sparrow_jax.mismatch.calibrate import sparse_token_fraction
+from sparrow_jax.mismatch.probe import probe_report
 from sparrow_jax.parallel import is_primary
 from sparrow_jax.rl.trainer import TrainResult, actor_tail, evaluate, lora_config, merge_lora_actor, sample, train
 from sparrow_jax.run.calibration import calibrate_run
@@ -318,6 +319,7 @@ def run_pipeline(spec: RunSpec) -> dict:
               "schedule": result.schedule.to_dict() if result.schedule is not None else "dense",
               "final_eval": result.final_eval, "steps": spec.steps}
     report.update(measure_rollout_speedup(ctx, result))
+    report.update(probe_report(result.history, spec.calibration.min_count))  # online probe: predicted vs measured p5
     if spec.distill.enabled:
         report.update(distill_report(spec, ctx, result))
     if calibration is not None:
