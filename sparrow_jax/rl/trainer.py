@@ -369,9 +369,8 @@ def steer(loop: Loop, state: LoopState, metrics: dict, batch: Optional[Batch] = 
     """schedule.kind = online: this step's per-bin p5 and token counts -> the next rollout's top-k table.
 
     With ``probe`` and the step's ``batch``, a proposed fall is first scored on the batch's rollouts at the
-    candidate table with the updated params (those the next rollouts use), and an active bin keeps its
-    fall only when the candidate's p5 lower bound clears tau + probe_margin (schedule_control). Returns
-    (state, metrics): the probe's per-bin predictions, its time and its predicted cost vs a dense rollout.
+    candidate table (:func:`probe_falls`). Returns (state, metrics): the probe's metrics, and
+    ``schedule/controller_cost_vs_dense``, the step's predicted rollout cost plus its probe's.
     """
     if state.controller is None:
         return state, {}
@@ -379,30 +378,40 @@ def steer(loop: Loop, state: LoopState, metrics: dict, batch: Optional[Batch] = 
     p5 = jnp.asarray([metrics.get(f"mismatch/alpha_p5/bin_{b}", np.nan) for b in starts], jnp.float32)  # empty: NaN
     counts = jnp.asarray([metrics.get(f"mismatch/count/bin_{b}", 0.0) for b in starts], jnp.float32)
     controller, topk = controller_step_jit(settings, state.controller, p5, counts)
-    probed = np.asarray(probed_bins(settings, state.controller, controller))
-    if not (settings.probe and batch is not None and probed.any()):
-        return state._replace(controller=controller, topk=topk), {}
-    t0 = time.perf_counter()
+    out = {}
+    if settings.probe and batch is not None and bool(jnp.any(probed_bins(settings, state.controller, controller))):
+        controller, topk, out = probe_falls(loop, state, controller, topk, p5, counts, metrics, batch)
+    if "schedule/predicted_cost_vs_dense" in metrics:
+        out["schedule/controller_cost_vs_dense"] = (metrics["schedule/predicted_cost_vs_dense"]
+                                                    + out.get("schedule/probe_cost_vs_dense", 0.0))
+    return state._replace(controller=controller, topk=topk), out
+
+
+def probe_falls(loop: Loop, state: LoopState, proposed: ControllerState, topk: jax.Array, p5: jax.Array,
+                counts: jax.Array, metrics: dict, batch: Batch) -> tuple[ControllerState, jax.Array, dict]:
+    """Score ``batch`` at the proposed table ``topk`` with the updated params (those the next rollouts use);
+    an active falling bin keeps its fall only when its candidate p5 lower bound clears tau + probe_margin,
+    else the step is recomputed with the rejection (schedule_control). -> (controller state, top-k [bins],
+    the probe's metrics: per-bin prediction, time, predicted cost vs a dense rollout)."""
+    t0, settings = time.perf_counter(), loop.controller
     candidate = current_schedule(loop, state._replace(topk=topk))
     result = jax.device_get(candidate_tail(loop.ctx.model_config, state.train.params, actor_params(loop, state),
                                            batch.tokens, batch.mask > 0, batch.prompt_lens, candidate,
                                            num_bins=loop.opts.num_bins, bin_width=loop.opts.bin_width,
                                            temperature=loop.opts.temperature, seq_chunk=loop.opts.seq_chunk,
                                            z=settings.z))
-    rejected = probe_rejections(settings, state.controller, controller, result["lower"])
+    probed = np.asarray(probed_bins(settings, state.controller, proposed))
+    rejected = probe_rejections(settings, state.controller, proposed, result["lower"])
     if bool(jnp.any(rejected >= 0)):
-        controller, topk = controller_step_jit(settings, state.controller, p5, counts, rejected)
-    out = probe_metrics(starts, np.asarray(candidate.topk), probed, result, np.asarray(rejected))
-    r = loop.spec.rollout
+        proposed, topk = controller_step_jit(settings, state.controller, p5, counts, rejected)
+    out = probe_metrics([i * loop.opts.bin_width for i in range(loop.opts.num_bins)], np.asarray(candidate.topk),
+                        probed, result, np.asarray(rejected))
     out["schedule/probe_cost_vs_dense"] = probe_cost_vs_dense(
         loop.ctx.model_config, num_samples=int(batch.tokens.shape[0]),
-        prompt_len=max(1, round(metrics.get("prompt_length/mean", 1))), gen_len=r.max_new_tokens,
+        prompt_len=max(1, round(metrics.get("prompt_length/mean", 1))), gen_len=loop.spec.rollout.max_new_tokens,
         hardware=loop.spec.schedule.cost_hardware)
-    if "schedule/predicted_cost_vs_dense" in metrics:  # the step's rollout at its schedule plus the probe
-        out["schedule/controller_cost_vs_dense"] = (metrics["schedule/predicted_cost_vs_dense"]
-                                                    + out["schedule/probe_cost_vs_dense"])
     out["timing_s/probe"] = time.perf_counter() - t0
-    return state._replace(controller=controller, topk=topk), out
+    return proposed, topk, out
 
 
 def schedule_metrics(schedule: Optional[SparsitySchedule], config, *, num_samples: int, prompt_len: int,
