@@ -168,3 +168,16 @@ def test_probe_report_pairs_kept_falls_with_the_next_steps_p5():
                  "schedule/probe_topk/bin_0": 12.0, "schedule/probe_p5/bin_148": 0.8,
                  "schedule/probe_topk/bin_148": 12.0}
     assert math.isclose(out["mean_abs_error"], 0.04)
+
+
+def test_probe_config_is_on_for_online_runs_and_its_margin_is_checked():
+    from configs.grpo_tiny import get_config
+    from sparrow_jax.run.specs import ConfigError, parse_spec
+
+    c = get_config()
+    c.schedule.kind = "online"
+    o = parse_spec(c).schedule.online
+    assert o.probe is True and o.probe_margin == 0.02
+    c.schedule.online.probe_margin = 1.0
+    with pytest.raises(ConfigError, match="schedule.online.probe_margin"):
+        parse_spec(c)
