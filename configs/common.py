@@ -119,6 +119,8 @@ def online_schedule_config() -> ConfigDict:
         levels_per_octave=4,  # top-k grid points per power of two (L / 2 per static k_max bucket: rare recompiles)
         min_topk=1,  # smallest top-k the controller may set
         max_topk=0,  # largest top-k (0: enough pages to cover the run's longest sequence, i.e. dense)
+        probe=True,  # before a fall, score the step's rollouts at the lower budgets (teacher-forced sparse pass)
+        probe_margin=0.02,  # a probed bin falls only when the lower bound of its candidate p5 is >= tau + probe_margin
     ))
 
 

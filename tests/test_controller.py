@@ -347,14 +347,17 @@ def test_trainer_steers_the_table_from_the_step_metrics(tmp_path):
                "mismatch/alpha_p5/bin_64": 0.99, "mismatch/count/bin_64": 500.0,
                "mismatch/alpha_p5/bin_128": 0.5, "mismatch/count/bin_128": 500.0,
                "mismatch/alpha_p5/bin_192": 0.7, "mismatch/count/bin_192": 50.0}
-    state = steer(loop, state, metrics)
+    state, extra = steer(loop, state, metrics)
     np.testing.assert_array_equal(state.topk, [2, 2, 4, 4])  # bin 128 rose two levels, lifting the thin bin 192
-    assert steer(SimpleNamespace(), state._replace(controller=None), metrics).topk is state.topk  # not online
+    assert extra == {}  # a rise is never probed
+    unsteered, extra = steer(SimpleNamespace(), state._replace(controller=None), metrics)
+    assert unsteered.topk is state.topk and extra == {}  # not online
 
 
 def test_online_loop_resumes_exactly_with_the_controller_in_the_checkpoint(tmp_path):
     """Online, dense start: 2 steps straight vs 1 step, a restart, 1 more: the same loop state, controller
-    included; p5 = 1 at the dense budget, so after the second step (patience 2) the table falls one level.
+    included; p5 = 1 at the dense budget, so after the second step (patience 2) bin 0 proposes a fall of one
+    level, and the probe rejects it: its 8 completion tokens are too few for a p5 bound (59 at z = 1.64).
     Bin 0 (positions < 64, pages of 8) starts at its own dense top-k: 8 pages less 3 reserved."""
     from sparrow_jax.rl.trainer import train
     from sparrow_jax.run.context import build_run_context
@@ -365,7 +368,11 @@ def test_online_loop_resumes_exactly_with_the_controller_in_the_checkpoint(tmp_p
     resumed = train(_online_spec(tmp_path / "b", "dense", 2), ctx, progress=False)
     dense = [h["schedule/topk/bin_0"] for h in straight.history]
     assert dense == [h["schedule/topk/bin_0"] for h in first.history + resumed.history] == [5.0, 5.0]
-    assert int(straight.state.topk[0]) == 4  # the well-filled bin 0 fell one level (grid ... 4 5 6)
+    assert int(straight.state.topk[0]) == 5  # bin 0's fall to 4 (grid ... 4 5 6) was probed and rejected
+    last = straight.history[-1]
+    assert last["schedule/probe_topk/bin_0"] == 4.0 and last["schedule/probe_rejected"] >= 1
+    assert "schedule/probe_lower/bin_0" not in last and "timing_s/probe" in last  # no bound from 8 tokens
+    assert int(straight.state.controller.failed[0]) == 3  # grid 1 2 3 4 ...: top-k 4 remembered, not re-probed
     same = jax.tree.map(lambda a, b: bool(np.array_equal(np.asarray(a), np.asarray(b))), straight.state, resumed.state)
     assert all(jax.tree.leaves(same)) and resumed.state.controller is not None
 

@@ -31,6 +31,7 @@ from sparrow_jax.data.rewards import RewardPool
 from sparrow_jax.io.checkpoint import CheckpointManager
 from sparrow_jax.io.metrics import HistogramWriter, MetricWriter, ProgressBar
 from sparrow_jax.mismatch.calibrate import sparse_token_fraction, validate as validate_schedule
+from sparrow_jax.mismatch.probe import candidate_tail, probe_cost_vs_dense, probe_metrics
 from sparrow_jax.models.lora import LoraConfig, init_lora, with_lora
 from sparrow_jax.parallel import (host_array, is_primary, make_mesh, mesh_context, shard_batch, shard_params,
                                   shard_train_state)
@@ -45,7 +46,7 @@ from sparrow_jax.rl.train_step import (TIMING_PARTS, Batch, DistillOptions, Lora
 from sparrow_jax.rollout import SparsitySchedule, generate, generate_continuous
 from sparrow_jax.rollout.schedule_control import (ControllerSettings, ControllerState, controller_step_jit,
                                                   controller_topk, dense_topk_by_bin, failed_topk_from_table,
-                                                  init_controller, topk_grid)
+                                                  init_controller, probe_rejections, probed_bins, topk_grid)
 
 if TYPE_CHECKING:
     from sparrow_jax.run.specs import DistillSpec, RunSpec, ScheduleSpec, TrainSpec
@@ -259,7 +260,7 @@ def online_settings(s: ScheduleSpec, layout: SparsitySchedule, max_len: int) -> 
     return ControllerSettings(grid=topk_grid(max_topk, o.levels_per_octave, min(o.min_topk, max_topk)), tau=o.tau,
                               margin=o.margin, up_levels=o.up_levels, down_levels=o.down_levels,
                               min_tokens=o.min_tokens, smoothing=o.smoothing, z=o.z, patience=o.patience,
-                              retry_after=o.retry_after)
+                              retry_after=o.retry_after, probe=o.probe, probe_margin=o.probe_margin)
 
 
 def init_state(loop: Loop) -> LoopState:
@@ -429,15 +430,53 @@ def maybe_switch(loop: Loop, state: LoopState, key) -> tuple[LoopState, dict]:
     return state, {"distill/p5_under_switch_schedule": tail["min_p5"], "distill/switched": float(bool(state.switched))}
 
 
-def steer(loop: Loop, state: LoopState, metrics: dict) -> LoopState:
-    """schedule.kind = online: this step's per-bin p5 and token counts -> the next rollout's top-k table."""
+def steer(loop: Loop, state: LoopState, metrics: dict, batch: Optional[Batch] = None) -> tuple[LoopState, dict]:
+    """schedule.kind = online: this step's per-bin p5 and token counts -> the next rollout's top-k table.
+
+    With ``probe`` and the step's ``batch``, a proposed fall is first scored on the batch's rollouts at the
+    candidate table (:func:`probe_falls`). Returns (state, metrics): the probe's metrics, and
+    ``schedule/controller_cost_vs_dense``, the step's predicted rollout cost plus its probe's.
+    """
     if state.controller is None:
-        return state
-    starts = [i * loop.opts.bin_width for i in range(loop.opts.num_bins)]
+        return state, {}
+    settings, starts = loop.controller, [i * loop.opts.bin_width for i in range(loop.opts.num_bins)]
     p5 = jnp.asarray([metrics.get(f"mismatch/alpha_p5/bin_{b}", np.nan) for b in starts], jnp.float32)  # empty: NaN
     counts = jnp.asarray([metrics.get(f"mismatch/count/bin_{b}", 0.0) for b in starts], jnp.float32)
-    controller, topk = controller_step_jit(loop.controller, state.controller, p5, counts)
-    return state._replace(controller=controller, topk=topk)
+    controller, topk = controller_step_jit(settings, state.controller, p5, counts)
+    out = {}
+    if settings.probe and batch is not None and bool(jnp.any(probed_bins(settings, state.controller, controller))):
+        controller, topk, out = probe_falls(loop, state, controller, topk, p5, counts, metrics, batch)
+    if "schedule/predicted_cost_vs_dense" in metrics:
+        out["schedule/controller_cost_vs_dense"] = (metrics["schedule/predicted_cost_vs_dense"]
+                                                    + out.get("schedule/probe_cost_vs_dense", 0.0))
+    return state._replace(controller=controller, topk=topk), out
+
+
+def probe_falls(loop: Loop, state: LoopState, proposed: ControllerState, topk: jax.Array, p5: jax.Array,
+                counts: jax.Array, metrics: dict, batch: Batch) -> tuple[ControllerState, jax.Array, dict]:
+    """Score ``batch`` at the proposed table ``topk`` with the updated params (those the next rollouts use);
+    an active falling bin keeps its fall only when its candidate p5 lower bound clears tau + probe_margin,
+    else the step is recomputed with the rejection (schedule_control). -> (controller state, top-k [bins],
+    the probe's metrics: per-bin prediction, time, predicted cost vs a dense rollout)."""
+    t0, settings = time.perf_counter(), loop.controller
+    candidate = current_schedule(loop, state._replace(topk=topk))
+    result = jax.device_get(candidate_tail(loop.ctx.model_config, state.train.params, actor_params(loop, state),
+                                           batch.tokens, batch.mask > 0, batch.prompt_lens, candidate,
+                                           num_bins=loop.opts.num_bins, bin_width=loop.opts.bin_width,
+                                           temperature=loop.opts.temperature, seq_chunk=loop.opts.seq_chunk,
+                                           z=settings.z))
+    probed = np.asarray(probed_bins(settings, state.controller, proposed))
+    rejected = probe_rejections(settings, state.controller, proposed, result["lower"])
+    if bool(jnp.any(rejected >= 0)):
+        proposed, topk = controller_step_jit(settings, state.controller, p5, counts, rejected)
+    out = probe_metrics([i * loop.opts.bin_width for i in range(loop.opts.num_bins)], np.asarray(candidate.topk),
+                        probed, result, np.asarray(rejected))
+    out["schedule/probe_cost_vs_dense"] = probe_cost_vs_dense(
+        loop.ctx.model_config, num_samples=int(batch.tokens.shape[0]),
+        prompt_len=max(1, round(metrics.get("prompt_length/mean", 1))), gen_len=loop.spec.rollout.max_new_tokens,
+        hardware=loop.spec.schedule.cost_hardware)
+    out["timing_s/probe"] = time.perf_counter() - t0
+    return proposed, topk, out
 
 
 def schedule_metrics(schedule: Optional[SparsitySchedule], config, *, num_samples: int, prompt_len: int,
@@ -461,9 +500,9 @@ def rl_step(loop: Loop, state: LoopState) -> tuple[LoopState, dict]:
                                     prompt_len=max(1, round(metrics["prompt_length/mean"])), gen_len=r.max_new_tokens,
                                     hardware=loop.spec.schedule.cost_hardware))
     state, step_metrics = update(loop, state._replace(data=data), batch)
-    state = steer(loop, state, step_metrics)
+    state, control_metrics = steer(loop, state, {**metrics, **step_metrics}, batch)
     state, switch_metrics = maybe_switch(loop, state, jax.random.fold_in(key, 2))
-    return state, {**step_metrics, **metrics, **switch_metrics}
+    return state, {**step_metrics, **metrics, **switch_metrics, **control_metrics}
 
 
 # ---- the loop -------------------------------------------------------------------------------

@@ -75,6 +75,16 @@ Hence:
 * *Fresh evidence after a move*: a bin's statistics reset whenever its budget changes,
   because p5 is a property of (model, budget, length): the old p5 measured another budget.
 
+* *Probed falls* (``probe``): a fall need not be a guess. Before the next rollout samples at a
+  lower budget, the trainer scores this step's rollouts teacher-forced with the sparse actor at
+  the proposed table (every falling bin lowered at once, one pass:
+  :func:`sparrow_jax.mismatch.probe.candidate_tail`) and each falling active bin keeps its fall
+  only when the candidate's p5 lower bound reaches ``tau + probe_margin``
+  (:func:`probe_rejections`). A rejected level joins the failed-level memory (the bin holds this
+  step, and a later fall stops above it, so a two-level fall rejected becomes a one-level
+  candidate), and the step is recomputed with ``rejected`` (:func:`controller_step`). Rises never
+  wait for a probe.
+
 **Monotone in position: kept.** After the moves the table is projected onto non-decreasing
 top-k. Why: (1) the needed budget grows with context length (the paper: at a fixed budget p5
 falls with length), so a dip is noise, not signal; (2) bins far out hold few tokens (only long
@@ -140,6 +150,8 @@ class ControllerSettings:
       z: one-sided normal quantile of the lower confidence bound used for down moves.
       patience: steps of evidence at the current budget before a down move (>= 2).
       retry_after: steps a bin keeps away from a level where its p5 was below tau (>= 1).
+      probe: score a fall's candidate budgets on the step's own rollouts before taking it (the trainer).
+      probe_margin: a falling bin keeps its fall only when the candidate's p5 lower bound is >= tau + probe_margin.
     """
 
     grid: tuple[int, ...]
@@ -152,6 +164,8 @@ class ControllerSettings:
     z: float = 1.64
     patience: int = 3
     retry_after: int = 25
+    probe: bool = False
+    probe_margin: float = 0.02
 
     def __post_init__(self) -> None:
         grid = tuple(int(v) for v in self.grid)
@@ -162,7 +176,8 @@ class ControllerSettings:
                   ("up_levels", self.up_levels >= 1, ">= 1"), ("down_levels", self.down_levels >= 1, ">= 1"),
                   ("min_tokens", self.min_tokens >= 1, ">= 1"), ("smoothing", 0 <= self.smoothing < 1, "in [0, 1)"),
                   ("z", self.z >= 0, ">= 0"), ("patience", self.patience >= 2, ">= 2"),
-                  ("retry_after", self.retry_after >= 1, ">= 1"))
+                  ("retry_after", self.retry_after >= 1, ">= 1"),
+                  ("probe_margin", 0 <= self.probe_margin < 1, "in [0, 1)"))
         for name, ok, want in checks:
             if not ok:
                 raise ValueError(f"{name}: expected {want}, got {getattr(self, name)!r}")
@@ -280,7 +295,7 @@ def controller_topk(settings: ControllerSettings, state: ControllerState) -> jax
 
 
 def controller_step(settings: ControllerSettings, state: ControllerState, p5: jax.Array,
-                    counts: jax.Array) -> tuple[ControllerState, jax.Array]:
+                    counts: jax.Array, rejected: jax.Array | None = None) -> tuple[ControllerState, jax.Array]:
     """One control update from this step's per-bin tail statistic (see the module docstring).
 
     Args:
@@ -288,6 +303,8 @@ def controller_step(settings: ControllerSettings, state: ControllerState, p5: ja
       state: per-bin state, arrays [bins].
       p5: float [bins] this step's p5 acceptance rate per bin (NaN or anything where counts == 0).
       counts: int/float [bins] tokens behind each p5.
+      rejected: int [bins] grid level a probe rejected for the bin (-1: none; :func:`probe_rejections`):
+        the bin does not fall this step, and the level joins its failed-level memory. None: no rejection.
     Returns:
       (new state, top-k per bin int32 [bins]), top-k on the grid and non-decreasing in position.
     """
@@ -330,7 +347,13 @@ def controller_step(settings: ControllerSettings, state: ControllerState, p5: ja
     remembered = jnp.where(lapsed, -1, state.failed)
     failed = jnp.where(go_up, jnp.maximum(state.level, remembered), remembered)
     failed_age = jnp.where(go_up, 0, state.failed_age + 1)
-    go_down = (enough & ~go_up & (steps >= settings.patience) & (noise_weight > 0)
+    probed_out = jnp.zeros_like(go_up)
+    if rejected is not None:  # a level a probe rejected counts as failed; the bin holds this step
+        rejected = jnp.asarray(rejected, jnp.int32)
+        probed_out = (rejected >= 0) & ~go_up
+        failed = jnp.where(probed_out, jnp.maximum(failed, rejected), failed)
+        failed_age = jnp.where(probed_out, 0, failed_age)
+    go_down = (enough & ~go_up & ~probed_out & (steps >= settings.patience) & (noise_weight > 0)
                & (lower > settings.tau + settings.margin) & (state.level - 1 > failed))
     # One level per margin of shortfall, at most up_levels: a bin just below tau steps up one level,
     # one far below rises fast (the budgets move on a log scale, and p5 with the log budget).
@@ -355,6 +378,28 @@ def controller_step(settings: ControllerSettings, state: ControllerState, p5: ja
                           failed=failed.astype(jnp.int32), failed_age=failed_age.astype(jnp.int32),
                           pool_noise=pool_noise, pool_weight=pool_weight)
     return new, controller_topk(settings, new)
+
+
+def probe_rejections(settings: ControllerSettings, state: ControllerState, proposed: ControllerState,
+                     lower: jax.Array) -> jax.Array:
+    """The levels a probe rejects: int32 [bins], the proposed level of each active bin that falls with a
+    candidate p5 lower bound below ``tau + probe_margin`` (NaN or -inf: no bound, rejected), else -1.
+
+    Args:
+      state: the state before the step; proposed: :func:`controller_step`'s state without rejections.
+      lower: float [bins] the candidate table's p5 lower bound per bin (the probe's, on this step's tokens).
+    A bin without traffic (``proposed.traffic < min_tokens``) follows the projection unprobed: it decodes
+    few tokens, and the next active bin's budget it takes was itself probed.
+    """
+    falling = probed_bins(settings, state, proposed)
+    lower = jnp.asarray(lower, jnp.float32)
+    passes = jnp.isfinite(lower) & (lower >= settings.tau + settings.probe_margin)
+    return jnp.where(falling & ~passes, proposed.level, -1).astype(jnp.int32)
+
+
+def probed_bins(settings: ControllerSettings, state: ControllerState, proposed: ControllerState) -> jax.Array:
+    """bool [bins]: the active bins whose proposed budget is below their current one (what a probe checks)."""
+    return (proposed.level < state.level) & (proposed.traffic >= settings.min_tokens)
 
 
 def _monotone(level: jax.Array, active: jax.Array, num_levels: int) -> jax.Array:

@@ -23,6 +23,7 @@ import numpy as np
 from sparrow_jax.io import atomic_write_json
 from sparrow_jax.io.metrics import read_histograms, read_metrics
 from sparrow_jax.io.plots import plot_curves
+from sparrow_jax.mismatch.probe import probe_report
 from sparrow_jax.parallel import is_primary
 from sparrow_jax.rl.trainer import TrainResult, actor_tail, lora_config, merge_lora_actor, train
 from sparrow_jax.run.calibration import calibrate_run
@@ -159,6 +160,7 @@ def run_pipeline(spec: RunSpec) -> dict:
               "tau": spec.calibration.tau,
               "schedule": result.schedule.to_dict() if result.schedule is not None else "dense", "steps": spec.steps}
     report.update(measure_rollout_speedup(ctx, result))
+    report.update(probe_report(training_rows(records), spec.calibration.min_count))  # online probe vs the p5 sampled next
     if spec.distill.enabled:
         report.update(distill_report(spec, ctx, result))
     if calibration is not None:

@@ -79,6 +79,8 @@ class OnlineScheduleSpec:  # schedule.kind = online: the per-bin p5 controller (
     levels_per_octave: int
     min_topk: int
     max_topk: int  # 0: the dense top-k of the run's longest sequence
+    probe: bool  # score a fall's candidate budgets on the step's rollouts before taking it
+    probe_margin: float  # a probed fall needs its candidate p5 lower bound >= tau + probe_margin
 
 
 @_spec
@@ -372,6 +374,7 @@ def _validate_online(spec: RunSpec) -> None:
     s, o = spec.schedule, spec.schedule.online
     _require(0 < o.tau < 1, "schedule.online.tau", o.tau, "must be in (0, 1)")
     _require(o.margin < 1, "schedule.online.margin", o.margin, "must be < 1")
+    _require(0 <= o.probe_margin < 1, "schedule.online.probe_margin", o.probe_margin, "must be in [0, 1)")
     _require(0 <= o.smoothing < 1, "schedule.online.smoothing", o.smoothing, "must be in [0, 1)")
     _require(o.patience >= 2, "schedule.online.patience", o.patience, "must be >= 2 (a noise estimate needs two steps)")
     _require(o.retry_after >= 1, "schedule.online.retry_after", o.retry_after, "must be >= 1")
