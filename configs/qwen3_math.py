@@ -35,6 +35,7 @@ def get_config():
 
     c.task.name = "math"  # prompt through the chat template, math-verify reward on the last \boxed{} in a pool
     c.task.dataset = DATASET
+    c.task.num_train = 0  # with a dataset: the file's rows after the held-out ones are the training prompts
     c.task.num_eval = 16  # the first rows are held out: the final evaluation decodes num_eval x eval_k rows at once
     c.task.reward_workers = 8  # verifier processes
     c.task.reward_timeout_s = 10.0

@@ -46,7 +46,9 @@ def quickstart_model() -> tuple[Qwen3Config, dict]:
     c = get_config()
     schedule = dict(page_size=c.schedule.page_size, bin_width=c.schedule.bin_width, selector=c.schedule.selector,
                     dense_layers=tuple(c.schedule.dense_layers))
-    return Qwen3Config(**dict(c.model.tiny)), schedule
+    from sparrow_jax.models.tokenizer import BuiltinTokenizer
+
+    return Qwen3Config(**dict(c.model.tiny, vocab_size=BuiltinTokenizer().vocab_size)), schedule  # the tokenizer's
 
 
 def forward_flops(config: Qwen3Config, rows: int, length: int, keys_per_query: np.ndarray,

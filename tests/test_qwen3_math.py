@@ -71,8 +71,9 @@ def test_two_rl_steps_write_metrics_and_a_checkpoint_then_resume(tiny, tmp_path,
     main(tiny_spec(tiny, workdir))
     out = capsys.readouterr().out
     assert "[memory] train" in out and "[memory] decode" in out
-    steps = [json.loads(line) for line in open(workdir / "metrics.jsonl")]
-    assert [m["step"] for m in steps] == [1, 2]
+    logged = [json.loads(line) for line in open(workdir / "metrics.jsonl")]
+    assert [m["step"] for m in logged] == [0, 1, 2] and "val/dense/reward_greedy" in logged[0]  # step 0: validation
+    steps = logged[1:]
     for m in steps:  # every rollout was scored by math-verify in the pool, none failed
         assert (m["reward/errors"], m["reward/timeouts"]) == (0.0, 0.0)
         assert 0.0 <= m["reward_mean"] <= 1.0 and m["response_length/max"] <= 16
@@ -83,7 +84,7 @@ def test_two_rl_steps_write_metrics_and_a_checkpoint_then_resume(tiny, tmp_path,
 
     main(tiny_spec(tiny, workdir, steps=3))
     assert "resumed from checkpoint at step 2" in capsys.readouterr().out
-    assert [json.loads(line)["step"] for line in open(workdir / "metrics.jsonl")] == [1, 2, 3]
+    assert [json.loads(line)["step"] for line in open(workdir / "metrics.jsonl")] == [0, 1, 2, 3]
     assert "3" in os.listdir(workdir / "checkpoints")
 
 
@@ -144,7 +145,7 @@ def test_decode_plan_covers_the_widest_rollout_of_the_run(tiny, qwen3_8b_dir, tm
 def test_missing_snapshot_or_columns_are_named(tiny, tmp_path):
     from sparrow_jax.run.memory_check import check_run_memory
 
-    with pytest.raises(ConfigError, match=r"--config\.model\.hf_dir='/nonexistent/Qwen3': no config\.json"):
+    with pytest.raises(ConfigError, match=r"--config\.model\.hf_dir='/nonexistent/Qwen3': is not a directory holding a Hugging Face config\.json"):
         check_run_memory(tiny_spec(tiny, tmp_path / "run", **{"model.hf_dir": "/nonexistent/Qwen3"}))
     bad = tmp_path / "bad.jsonl"
     bad.write_text(json.dumps({"text": "1+1?", "solution": "2"}) + "\n")

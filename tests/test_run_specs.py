@@ -3,6 +3,7 @@ entry points turn a bad config into one line and exit status 2."""
 import glob
 import importlib
 import os
+import re
 import subprocess
 import sys
 
@@ -19,6 +20,10 @@ CONFIGS = sorted(os.path.basename(p)[:-3] for p in glob.glob(os.path.join(ROOT, 
 @pytest.mark.parametrize("name", CONFIGS)
 def test_every_shipped_config_parses_and_every_field_is_read(name):
     cfg = importlib.import_module(f"configs.{name}").get_config()
+    if cfg.model.source == "hf" and not os.path.isdir(cfg.model.hf_dir):  # a snapshot the user points it at
+        with pytest.raises(ConfigError, match=rf"^--config\.model\.hf_dir='{re.escape(cfg.model.hf_dir)}': is not a dir"):
+            parse_spec(cfg)
+        cfg.model.source = "tiny"  # the rest of the config parses, every field read
     spec = parse_spec(cfg)  # raises on a field that no spec consumes
     assert spec.workdir == cfg.workdir and spec.train.learning_rate == cfg.train.learning_rate
 

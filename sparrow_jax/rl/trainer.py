@@ -41,7 +41,7 @@ from sparrow_jax.rl.collect import CollectOptions, collect_batch, completion_len
 from sparrow_jax.rl.context import RunContext
 from sparrow_jax.rl.guards import assert_finite, nonfinite_streak
 from sparrow_jax.rl.long_cot import mask_truncated, response_length_metrics
-from sparrow_jax.rl.train_step import (TIMING_PARTS, Batch, DistillOptions, LoraState, StepOptions, TrainState,
+from sparrow_jax.rl.train_step import (Batch, DistillOptions, LoraState, StepOptions, TrainState,
                                        init_train_state, make_optimizer, timed_train_step)
 from sparrow_jax.rollout import SparsitySchedule, generate, generate_continuous
 from sparrow_jax.rollout.schedule_control import (ControllerSettings, ControllerState, controller_step_jit,

@@ -21,8 +21,6 @@ Language Models" (arXiv 2606.08446, CC BY 4.0).
 from __future__ import annotations
 
 import dataclasses
-import functools
-import importlib.resources
 import json
 import os
 from typing import Any, Mapping, NamedTuple, Sequence
@@ -31,9 +29,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from sparrow_jax.io.presets import PRESET_SELECTOR, paper_presets
+
 FORMAT = "sparrow-schedule/v1"
 SELECTORS = ("centroid", "quest")
-_PRESET_FILE = ("rollout", "presets", "paper_schedules.json")
 # Keys of our own JSON schema; "name" and "meta" are optional.
 _REQUIRED_KEYS = ("topk", "bin_width", "page_size", "reserved_first", "reserved_last",
                   "dense_layers", "selector")
@@ -384,12 +383,8 @@ def position_bins(positions: Any, bin_width: int, num_bins: int) -> Any:
 
 
 # ---------------------------------------------------------------------- presets
-@functools.lru_cache(maxsize=1)
 def _load_presets() -> dict[str, Any]:
-    # Resolve from the sparrow_jax package (which has an __init__) so it works whether or
-    # not sparrow_jax.rollout is a regular package; the file ships via package_data.
-    res = importlib.resources.files("sparrow_jax").joinpath(*_PRESET_FILE)
-    return json.loads(res.read_text(encoding="utf-8"))
+    return paper_presets()
 
 
 def available_presets() -> list[str]:
@@ -418,4 +413,4 @@ def _from_paper_data(cls: type[SparsitySchedule], data: Mapping[str, Any], name:
     return cls(topk=presets[name], bin_width=data["bin_width_tokens"],
                page_size=data["page_size"], reserved_first=data["reserved_first_pages"],
                reserved_last=data["reserved_last_pages"], dense_layers=data["dense_layers"],
-               selector="centroid", name=name, meta=meta)
+               selector=PRESET_SELECTOR, name=name, meta=meta)

@@ -16,6 +16,8 @@ from typing import Any, Optional
 
 from ml_collections import ConfigDict
 
+from sparrow_jax.io.presets import paper_presets, preset_layout
+
 
 class ConfigError(ValueError):
     """An invalid run config; the message names the field as ``--config.<field>``."""
@@ -423,14 +425,13 @@ def _validate_inert(spec: RunSpec) -> None:
              "is the tokenizer's; remove the field")
     dense = tuple(s.dense_layers)
     if "preset" in (s.kind, s.online.start if s.kind == "online" else None):
-        from sparrow_jax.rollout.schedule import SparsitySchedule  # deferred: parsing needs no jax otherwise
-        _require(s.preset in SparsitySchedule.available_presets(), "schedule.preset", s.preset,
-                 f"expected one of {SparsitySchedule.available_presets()}")
-        preset = SparsitySchedule.from_preset(s.preset)
-        dense = tuple(preset.dense_layers)  # what the run will use
+        known = sorted(paper_presets()["presets"])
+        _require(s.preset in known, "schedule.preset", s.preset, f"expected one of {known}")
+        preset = preset_layout(s.preset)
+        dense = preset["dense_layers"]  # what the run will use
         for field in PRESET_LAYOUT:
-            ours, theirs = getattr(s, field), getattr(preset, field)
-            ours, theirs = (tuple(ours), tuple(theirs)) if field == "dense_layers" else (ours, theirs)
+            ours, theirs = getattr(s, field), preset[field]
+            ours = tuple(ours) if field == "dense_layers" else ours
             _require(ours == theirs, f"schedule.{field}", ours,
                      f"schedule.preset {s.preset!r} fixes it to {theirs!r} (set that, or use schedule.kind='fixed')")
     layers = _num_layers(m)
