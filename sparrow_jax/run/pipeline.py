@@ -15,7 +15,6 @@ import dataclasses
 import json
 import os
 import time
-from typing import Optional
 
 import jax
 import numpy as np
@@ -32,9 +31,8 @@ from sparrow_jax.run.report import training_report, training_rows, val_series
 from sparrow_jax.run.specs import RunSpec
 from sparrow_jax.run.speed import speedup_summary, time_sides
 from sparrow_jax.run.study import print_study, run_study
-from sparrow_jax.run.workdir import check_workdir, write_config
+from sparrow_jax.run.workdir import REPORT_FILE, check_workdir, finished_report, write_config
 
-REPORT_FILE = "report.json"
 
 
 def measure_rollout_speedup(ctx: RunContext, result: TrainResult, num_prompts: int = 8, samples: int = 2,
@@ -105,16 +103,6 @@ def distill_report(spec: RunSpec, ctx: RunContext, result: TrainResult) -> dict:
         plot_curves({"DistillSparse": (steps, out["reward_with"]), "no LoRA": (steps, out["reward_without"])},
                     os.path.join(spec.workdir, "reward_distill.png"), ylabel="reward", title="dense policy reward")
     return out
-
-
-def finished_report(spec: RunSpec) -> Optional[dict]:
-    """``<workdir>/report.json`` of a run that has done ``spec.steps`` steps (None otherwise)."""
-    path = os.path.join(spec.workdir, REPORT_FILE)
-    if not os.path.exists(path):
-        return None
-    with open(path) as f:
-        report = json.load(f)
-    return report if report.get("steps") == spec.steps else None
 
 
 def print_report(report: dict) -> None:

@@ -11,7 +11,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from typing import Optional
 
 import numpy as np
 
@@ -24,9 +23,9 @@ from sparrow_jax.run.context import build_run_context, build_schedule
 from sparrow_jax.run.report import (generated_tokens_per_s, reward_start_end, reward_window, training_report,
                                     training_rows)
 from sparrow_jax.run.specs import RunSpec
+from sparrow_jax.run.workdir import REPORT_FILE, finished_report
 
 _ONLINE_START = {"online_dense": "dense", "online_aggressive": "fixed", "online_distill": "calibrated"}
-ARM_REPORT = "report.json"
 
 
 def _arm_spec(spec: RunSpec, arm: str) -> RunSpec:
@@ -128,16 +127,6 @@ def plot_study(arms: dict[str, list], path: str) -> None:
     plot_panels([p for p in panels if p[2]], path, columns=4)  # an arm without binned tokens has no panel
 
 
-def finished_arm(arm_spec: RunSpec) -> Optional[dict]:
-    """The arm's report when the arm has run all ``arm_spec.steps`` steps (None otherwise)."""
-    path = os.path.join(arm_spec.workdir, ARM_REPORT)
-    if not os.path.exists(path):
-        return None
-    with open(path) as f:
-        report = json.load(f)
-    return report if report.get("steps") == arm_spec.steps else None
-
-
 def run_study(spec: RunSpec) -> dict:
     """Train every arm of ``study.arms`` not yet finished (in order; an interrupted arm resumes
     from its checkpoints), then write ``<workdir>/report.json`` and ``study.png`` from the arms' logs."""
@@ -147,16 +136,16 @@ def run_study(spec: RunSpec) -> dict:
     arms, histograms, num_prompts = {}, {}, 0
     for arm in spec.study.arms:
         arm_spec = _arm_spec(spec, arm)
-        done = finished_arm(arm_spec)
+        done = finished_report(arm_spec)
         if done is None:
             print(f"[study] arm {arm}", flush=True)
             with_calibrated = arm in ("calibrated", "online_distill")
             ctx = build_run_context(arm_spec, calibrated) if with_calibrated else build_run_context(arm_spec)
             train(arm_spec, ctx)
             done = {"steps": arm_spec.steps, "train_prompts": len(ctx.train_rows)}
-            atomic_write_json(os.path.join(arm_spec.workdir, ARM_REPORT), done)
+            atomic_write_json(os.path.join(arm_spec.workdir, REPORT_FILE), done)
         else:
-            print(f"[study] arm {arm}: finished ({arm_spec.workdir}/{ARM_REPORT})", flush=True)
+            print(f"[study] arm {arm}: finished ({arm_spec.workdir}/{REPORT_FILE})", flush=True)
         num_prompts = done["train_prompts"]
         arms[arm], histograms[arm] = read_metrics(arm_spec.workdir), read_histograms(arm_spec.workdir)
     plot_study({a: training_rows(r) for a, r in arms.items()}, os.path.join(spec.workdir, "study.png"))

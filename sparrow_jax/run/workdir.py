@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from typing import Any
+from typing import Any, Optional
 
 from sparrow_jax.io import atomic_write_json
 from sparrow_jax.run.specs import RunSpec
@@ -80,3 +80,17 @@ def write_config(spec: RunSpec) -> None:
     """``<workdir>/config.json``: the config this run was started (or continued) with."""
     os.makedirs(spec.workdir, exist_ok=True)
     atomic_write_json(os.path.join(spec.workdir, CONFIG_FILE), spec_json(spec))
+
+
+REPORT_FILE = "report.json"
+
+
+def finished_report(spec: RunSpec) -> Optional[dict]:
+    """``<workdir>/report.json`` of a run (or a study arm) that has done ``spec.steps`` steps,
+    None otherwise: a finished run is reported, not rerun."""
+    path = os.path.join(spec.workdir, REPORT_FILE)
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        report = json.load(f)
+    return report if report.get("steps") == spec.steps else None
