@@ -194,3 +194,18 @@ def test_training_report_is_a_function_of_the_logs():
     assert got["val_dense"]["start"] == 0.0 and got["final_eval"] == {"val/dense/reward_mean@2": 0.0,
                                                                       "val/dense/reward_mean@2_se": 0.1}
     json.dumps(got, allow_nan=False)  # strict JSON as it is
+
+
+def test_a_resumed_run_reports_the_calibration_its_first_attempt_wrote(tmp_path):
+    """A run killed after calibrating resumes without calibrating again: its report takes the
+    validation from the workdir's calibration.json, as the uninterrupted run's report does."""
+    import json
+
+    from sparrow_jax.run.pipeline import calibration_on_disk
+
+    assert calibration_on_disk(str(tmp_path)) is None
+    validation = {"bin_starts": [0, 16], "p5": [0.97, 0.91], "ok": True}
+    (tmp_path / "calibration.json").write_text(json.dumps({"tau": 0.86, "validation": validation}))
+    assert calibration_on_disk(str(tmp_path)) == {"validation": validation,
+                                                  "table_path": str(tmp_path / "calibration.json"),
+                                                  "png": str(tmp_path / "p5_by_position.png")}

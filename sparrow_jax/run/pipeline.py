@@ -15,6 +15,7 @@ import dataclasses
 import json
 import os
 import time
+from typing import Optional
 
 import jax
 import numpy as np
@@ -105,6 +106,16 @@ def distill_report(spec: RunSpec, ctx: RunContext, result: TrainResult) -> dict:
     return out
 
 
+def calibration_on_disk(workdir: str) -> Optional[dict]:
+    """``validation``, ``table_path`` and ``png`` of the calibration written in ``workdir`` (None if none was)."""
+    table = os.path.join(workdir, "calibration.json")
+    if not os.path.exists(table):
+        return None
+    with open(table) as f:
+        validation = json.load(f).get("validation")
+    return {"validation": validation, "table_path": table, "png": os.path.join(workdir, "p5_by_position.png")}
+
+
 def print_report(report: dict) -> None:
     """The run's summary line, then its headline figures as one JSON line."""
     fmt = lambda x: "-" if x is None else f"{x:.3f}"  # noqa: E731
@@ -151,6 +162,8 @@ def run_pipeline(spec: RunSpec) -> dict:
     report.update(probe_report(training_rows(records), spec.calibration.min_count))  # online probe vs the p5 sampled next
     if spec.distill.enabled:
         report.update(distill_report(spec, ctx, result))
+    if calibration is None:  # calibrated by an earlier attempt of this run (killed, then resumed)
+        calibration = calibration_on_disk(spec.workdir)
     if calibration is not None:
         report["calibration"] = {k: v for k, v in calibration.items() if k in ("validation", "table_path", "png")}
     rows = training_rows(records)
