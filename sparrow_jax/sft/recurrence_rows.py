@@ -26,7 +26,7 @@ if TYPE_CHECKING:
 
 NAME = rt.NAME
 DEFAULT_MIN_LINES, DEFAULT_FAR_EVERY = 100, 10  # recurrence_trace.generate's defaults (task knobs left at 0)
-EXTRA_LOOKUPS = 3  # already-read keys a kept row may pass before its terminal look-up
+EXTRA_LOOKUPS = 1  # already-read keys a kept row may pass before its terminal look-up
 START_LINE_TOKENS = 6  # "\n" after the table, then "start", " ", two digits, "\n"
 
 
