@@ -40,6 +40,6 @@ def get_config():
     c.task.key_len = 3
     c.task.isolate_chain = False
     c.schedule.bin_width = 159  # prompts of 636 tokens = 4 bins: generated positions in bins of 159
-    c.rollout.max_new_tokens = 1480  # <= 279 lines: min_lines + 4 look-up periods (a trace of 240 ends by 259 in ~96%)
+    c.rollout.max_new_tokens = 1480  # ~279 lines (min_lines + 4 look-up periods); longer traces are cut (reward: their prefix)
     c.calibration.budgets = (8, 12, 16, 24, 32, 48)
     return c
