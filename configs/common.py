@@ -78,6 +78,9 @@ def task_config() -> ConfigDict:
         key_len=3,  # built-in task: symbols per record key (also a warm-up cache knob)
         isolate_chain=False,  # built-in task: off-chain records point off the chain (a wrong turn never rejoins it)
         preamble_tokens=0,  # pointer_trace: tokens of unrelated text before the records (more context, same records)
+        min_lines=0,  # recurrence_trace: the trace ends at the first fresh look-up past this line (0: default 100)
+        far_every=0,  # recurrence_trace: one line in far_every is a look-up, a divisor of 100 (0: default 10)
+        gap_tokens=0,  # recurrence_trace: tokens of unrelated text between the table and the start line
         reward_workers=2,  # RewardPool processes, for tasks that score in a pool (math)
         reward_timeout_s=10.0,  # per-answer verifier timeout in the pool (a timeout scores 0)
     ))

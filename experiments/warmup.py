@@ -35,13 +35,14 @@ def main(spec):
     ctx = build_run_context(spec, schedule=None)  # the run's model (for the sparse check)
     meta = W.read_warmup_meta(path)
     print(f"checkpoint: {path}")
+    length = f"{meta['task']['hops']} hops" if "hops" in meta["task"] else f"{meta['task']['min_lines']} lines"
     print(f"greedy accuracy by context length ({meta['eval_prompts']} held-out prompts each, "
-          f"{meta['task']['hops']} hops; trained on contexts <= {meta['train']['max_train_context']}):")
+          f"{length}; trained on contexts <= {meta['train']['max_train_context']}):")
     print("  context  accuracy")
     for length, acc in meta["accuracy_by_length"].items():
         print(f"  {int(length):>7d}  {acc:.3f}")
     if meta.get("accuracy_by_hops"):
-        print(f"greedy dense reward and share solved by trace length (hops), context "
+        print(f"greedy dense reward and share solved by trace length (hops; recurrence_trace: lines), context "
               f"{meta['task']['context_tokens']}:")
         print("     hops  reward  solved")
         for hops, v in meta["accuracy_by_hops"].items():

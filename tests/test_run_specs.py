@@ -43,6 +43,10 @@ def test_a_field_no_code_reads_is_an_error():
     ("distill.switch_topk", 1, r"--config\.distill\.switch_every"),
     ("task.preamble_tokens", 16, r"--config\.task\.preamble_tokens=16: only task pointer_trace has a preamble"),
     ("task.preamble_tokens", -1, r"--config\.task\.preamble_tokens=-1: must be >= 0"),
+    ("task.min_lines", 200, r"--config\.task\.min_lines=200: only task recurrence_trace reads it"),
+    ("task.far_every", 10, r"--config\.task\.far_every=10: only task recurrence_trace reads it"),
+    ("task.gap_tokens", 64, r"--config\.task\.gap_tokens=64: only task recurrence_trace reads it"),
+    ("task.far_every", -5, r"--config\.task\.far_every=-5: must be >= 0"),
 ])
 def test_bad_values_name_the_field(field, value, match):
     cfg = get_config()
@@ -108,3 +112,36 @@ def test_a_workdir_run_continues_only_under_its_own_config(tmp_path):
     study = tmp_path / "study"                             # a study's arms keep their checkpoints one level down
     os.makedirs(study / "dense" / "checkpoints")
     assert run_state(str(study)) == [os.path.join("dense", "checkpoints")]
+
+
+def test_recurrence_trace_knobs_reach_its_generator_and_pointer_knobs_do_not():
+    from sparrow_jax.data.registry import get_task
+    from sparrow_jax.data.tasks import recurrence_trace
+    from sparrow_jax.run.context import generator_args
+
+    cfg = get_config()
+    cfg.task.name, cfg.task.context_tokens = "recurrence_trace", 520
+    cfg.task.min_lines, cfg.task.far_every, cfg.task.gap_tokens = 40, 5, 32
+    t = parse_spec(cfg).task
+    args = generator_args(t)
+    assert args == dict(context_tokens=520, min_lines=40, far_every=5, gap_tokens=32)
+    assert get_task(t.name).generate(2, 7, **args) == recurrence_trace.generate(
+        2, 7, context_tokens=520, min_lines=40, far_every=5, gap_tokens=32)
+    cfg.task.min_lines, cfg.task.far_every, cfg.task.gap_tokens = 0, 0, 0  # unset: the generator's defaults
+    assert generator_args(parse_spec(cfg).task, context_tokens=600) == dict(context_tokens=600)
+    cfg.task.name = "pointer_trace"  # pointer tasks get their own knobs, not these
+    assert set(generator_args(parse_spec(cfg).task)) == {"context_tokens", "hops", "distractor_frac", "key_len",
+                                                         "isolate_chain"}
+
+
+@pytest.mark.parametrize("field,value,match", [
+    ("far_every", 7, r"--config\.task\.far_every=7: must be a divisor of 100 >= 2"),
+    ("far_every", 1, r"--config\.task\.far_every=1: must be a divisor of 100 >= 2"),
+    ("min_lines", 1, r"--config\.task\.min_lines=1: must be >= 2"),
+])
+def test_bad_recurrence_knobs_are_refused_at_parse_time(field, value, match):
+    cfg = get_config()
+    cfg.task.name = "recurrence_trace"
+    setattr(cfg.task, field, value)
+    with pytest.raises(ConfigError, match=match):
+        parse_spec(cfg)

@@ -58,9 +58,9 @@ def model_architecture(spec: RunSpec, vocab_size: int) -> Qwen3Config:
 
 def longest_prompt(spec: RunSpec, tokenizer, task) -> int:
     """Tokens of the run's longest prompt: every row of ``task.dataset`` as the task formats it
-    (chat template included); a built-in task's ``context_tokens`` (+ its preamble)."""
+    (chat template included); a built-in task's ``context_tokens`` (+ its preamble or gap)."""
     if not spec.task.dataset:
-        return spec.task.context_tokens + spec.task.preamble_tokens
+        return spec.task.context_tokens + spec.task.preamble_tokens + spec.task.gap_tokens
     from sparrow_jax.data.datasets import load_examples
 
     try:

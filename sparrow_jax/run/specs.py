@@ -52,6 +52,9 @@ class TaskSpec:
     preamble_tokens: int  # pointer_trace: tokens of unrelated text before the records
     reward_workers: int  # RewardPool processes (tasks that ask for a pool)
     reward_timeout_s: float  # per-answer verifier timeout in the pool
+    min_lines: int = 0  # recurrence_trace: trace lines before the terminal look-up (0: the generator's default)
+    far_every: int = 0  # recurrence_trace: one line in far_every is a look-up (0: the generator's default)
+    gap_tokens: int = 0  # recurrence_trace: tokens of unrelated text between the table and the start line
 
 
 @_spec
@@ -296,6 +299,9 @@ CHOICES = {
     "train.seq_mean_rows": ("auto", "valid", "all"),
     "distill.kl": ("exact", "exact_reverse", "k3"),
 }
+# Generator knobs of one built-in task each (0: unset, the generator's default): refused for any other task.
+TASK_ONLY_KNOBS = {"preamble_tokens": ("pointer_trace", "has a preamble"), "min_lines": ("recurrence_trace", "reads it"),
+                   "far_every": ("recurrence_trace", "reads it"), "gap_tokens": ("recurrence_trace", "reads it")}
 POSITIVE = ("steps", "checkpoint_every", "keep_checkpoints", "eval_k", "rollout.prompts_per_step",
             "rollout.group_size", "rollout.max_new_tokens", "schedule.page_size", "schedule.bin_width",
             "train.micro_batches", "train.ppo_epochs", "train.mini_batches", "task.reward_workers",
@@ -303,7 +309,7 @@ POSITIVE = ("steps", "checkpoint_every", "keep_checkpoints", "eval_k", "rollout.
             "distill.eval_samples", "distill.updates_per_step", "distill.rank", "calibration.num_prompts",
             "calibration.samples_per_prompt", "calibration.validate_prompts", "schedule.online.up_levels",
             "schedule.online.down_levels", "schedule.online.min_tokens", "schedule.online.levels_per_octave")
-NON_NEGATIVE = ("eval_every", "task.preamble_tokens", "rollout.temperature", "rollout.top_k", "schedule.topk",
+NON_NEGATIVE = ("eval_every", "task.preamble_tokens", "task.min_lines", "task.far_every", "task.gap_tokens", "rollout.temperature", "rollout.top_k", "schedule.topk",
                 "schedule.reserved_first", "schedule.reserved_last", "train.learning_rate", "train.max_grad_norm",
                 "train.clip_low", "train.clip_high", "train.dual_clip", "train.tis_cap", "train.kl_coef",
                 "train.entropy_coef", "train.tis_mask_low", "train.tis_mask_high", "train.overlong_buffer",
@@ -337,8 +343,14 @@ def validate(spec: RunSpec) -> None:
     r, s, m = spec.rollout, spec.schedule, spec.model
     _require(0 < r.top_p <= 1, "rollout.top_p", r.top_p, "must be in (0, 1]")
     _require(r.group_size >= 2, "rollout.group_size", r.group_size, "must be >= 2 for group advantages")
-    _require(spec.task.preamble_tokens == 0 or spec.task.name == "pointer_trace", "task.preamble_tokens",
-             spec.task.preamble_tokens, f"only task pointer_trace has a preamble (task.name={spec.task.name!r})")
+    for field, (reader, why) in TASK_ONLY_KNOBS.items():  # 0 means unset; a set knob must be its task's
+        value = getattr(spec.task, field)
+        _require(value == 0 or spec.task.name == reader, f"task.{field}", value,
+                 f"only task {reader} {why} (task.name={spec.task.name!r})")
+    t = spec.task
+    _require(t.far_every == 0 or (t.far_every >= 2 and 100 % t.far_every == 0), "task.far_every", t.far_every,
+             "must be a divisor of 100 >= 2 (the trace's line index wraps at 100), or 0 for the default")
+    _require(t.min_lines != 1, "task.min_lines", t.min_lines, "must be >= 2 (the two start lines), or 0 for the default")
     _require(m.source != "hf" or bool(m.hf_dir), "model.hf_dir", m.hf_dir, "is required when model.source='hf'")
     _require(m.source != "hf" or os.path.isfile(os.path.join(m.hf_dir, "config.json")), "model.hf_dir", m.hf_dir,
              "is not a directory holding a Hugging Face config.json")

@@ -54,6 +54,7 @@ from sparrow_jax.models.qwen3 import Params, init_params
 from sparrow_jax.models.scoring import token_logprobs
 from sparrow_jax.models.tokenizer import BuiltinTokenizer
 from sparrow_jax.rollout.sampler import SamplingParams, generate
+from sparrow_jax.sft import recurrence_rows
 
 if TYPE_CHECKING:
     from sparrow_jax.run.specs import ModelSpec, TaskSpec
@@ -181,7 +182,10 @@ def task_knobs(task: TaskSpec) -> dict[str, Any]:
     key_len, and preamble_tokens when set (absent at 0: the keys of warm-ups without one stay).
 
     ``task.isolate_chain`` is not one: it changes only where off-chain records point, which no
-    reference trace visits, so the warm-up trains the same lookups either way."""
+    reference trace visits, so the warm-up trains the same lookups either way.
+    recurrence_trace has knobs of its own (:func:`recurrence_rows.task_knobs`)."""
+    if task.name == recurrence_rows.NAME:
+        return recurrence_rows.task_knobs(task)
     knobs = dict(name=str(task.name), context_tokens=int(task.context_tokens),
                  hops=int(task.hops), distractor_frac=float(task.distractor_frac),
                  key_len=int(task.key_len))
@@ -198,7 +202,11 @@ def task_knobs(task: TaskSpec) -> dict[str, Any]:
 
 def generate_examples(knobs: dict[str, Any], n: int, seed: int, context_tokens: int | None = None,
                       hops: "int | tuple[int, int] | None" = None) -> list[dict[str, Any]]:
-    """``n`` task examples with the knobs (context length and hops overridable)."""
+    """``n`` task examples with the knobs (context length and hops overridable; recurrence_trace:
+    ``hops`` is its ``min_lines``)."""
+    if knobs["name"] == recurrence_rows.NAME:
+        return recurrence_rows.generate(dict(knobs, context_tokens=int(context_tokens or knobs["context_tokens"])),
+                                        n, seed, min_lines=hops)
     task = get_task(knobs["name"])
     preamble = dict(preamble_tokens=knobs["preamble_tokens"]) if knobs.get("preamble_tokens") else {}
     return task.generate(n, seed, context_tokens=int(context_tokens or knobs["context_tokens"]),
@@ -213,7 +221,10 @@ def prompt_ids(example: dict[str, Any], task_name: str, tokenizer) -> list[int]:
 
 def max_reference_tokens(knobs: dict[str, Any], hops: int | None = None) -> int:
     """Reference + <eos> tokens of a ``hops``-hop example (the task's line formats fix it: one
-    token per key symbol), measured on a generated example."""
+    token per key symbol), measured on a generated example. recurrence_trace: the most of a
+    kept trace drawn at ``hops`` (its ``min_lines``) lines (:mod:`recurrence_rows`)."""
+    if knobs["name"] == recurrence_rows.NAME:
+        return recurrence_rows.reference_tokens(knobs, recurrence_rows.max_lines(knobs, hops or knobs["min_lines"]))
     return _reference_tokens(knobs["name"], int(knobs["key_len"]), float(knobs["distractor_frac"]),
                              int(hops or knobs["hops"]))
 
@@ -227,6 +238,8 @@ def _reference_tokens(name: str, key_len: int, distractor_frac: float, hops: int
 
 def sequence_length(knobs: dict[str, Any], hops: int | None = None) -> int:
     """Fixed padded training length: longest prompt (preamble included) + longest reference, rounded up to 32."""
+    if knobs["name"] == recurrence_rows.NAME:
+        return recurrence_rows.row_length(knobs, recurrence_rows.table_tokens(knobs), hops or knobs["min_lines"])
     k = knobs["key_len"]
     prompt = knobs.get("preamble_tokens", 0) + knobs["context_tokens"] + 2 * k + 2  # may overshoot a record
     longest = prompt + max_reference_tokens(knobs, hops)
@@ -298,9 +311,12 @@ def make_batch(examples: Sequence[dict[str, Any]], task_name: str, tokenizer,
 
 
 def train_hops(knobs: dict[str, Any], settings: WarmupSettings) -> int:
-    """Most hops a training question may have (before the final phase)."""
+    """Most hops a training question may have (before the final phase; recurrence_trace: most
+    ``min_lines`` of a training trace, the task's without ``max_train_hops``)."""
     if settings.max_train_hops > 0:
         return int(settings.max_train_hops)
+    if knobs["name"] == recurrence_rows.NAME:
+        return int(knobs["min_lines"])
     return max(int(knobs["hops"]), int(settings.train_hops))
 
 
@@ -322,6 +338,10 @@ def training_batch(knobs: dict[str, Any], settings: WarmupSettings, step: int, t
                          f"for pointer_chase prompts, not {knobs['name']!r}; set it to 1")
     rng = np.random.default_rng([settings.seed, _TRAIN_STREAM, step])
     hi = train_context(knobs, settings)
+    if knobs["name"] == recurrence_rows.NAME:  # tables of [min_context, hi] tokens, traces up to train_hops lines
+        rows = recurrence_rows.stage_rows(knobs, settings.batch_size, rng, settings.min_context, hi,
+                                          train_hops(knobs, settings))
+        return make_batch(rows, knobs["name"], tokenizer, seq_len)
     lo = min(settings.min_context, hi)
     h = train_hops(knobs, settings)
     examples = []
@@ -357,6 +377,9 @@ def final_batch(knobs: dict[str, Any], settings: WarmupSettings, step: int, toke
     """Batch ``step`` of the final phase: ``final_batch_size`` fresh examples exactly as the task
     poses them (its context and hops), laid out as :func:`make_batch`."""
     rng = np.random.default_rng([settings.seed, _TRAIN_STREAM, step])
+    if knobs["name"] == recurrence_rows.NAME:
+        return make_batch(recurrence_rows.task_rows(knobs, settings.final_batch_size, rng), knobs["name"],
+                          tokenizer, seq_len)
     seeds = rng.integers(0, 2 ** 31 - 1, size=settings.final_batch_size)
     examples = [generate_examples(knobs, 1, int(seed))[0] for seed in seeds]
     return make_batch(examples, knobs["name"], tokenizer, seq_len)
@@ -365,6 +388,8 @@ def final_batch(knobs: dict[str, Any], settings: WarmupSettings, step: int, toke
 def training_length(knobs: dict[str, Any], settings: WarmupSettings) -> int:
     """Fixed padded length of training rows: the longest prompt and answer plus the extra questions."""
     h = train_hops(knobs, settings)
+    if knobs["name"] == recurrence_rows.NAME:
+        return recurrence_rows.row_length(knobs, train_context(knobs, settings), h)
     query = 2 * knobs["key_len"] + len(str(h)) + 6  # "start " key " hops " n "\n" (word tokens count 1)
     extra = (settings.queries_per_example - 1) * (query + max_reference_tokens(knobs, h))
     longest = sequence_length(dict(knobs, context_tokens=train_context(knobs, settings)), h) + extra
@@ -452,6 +477,14 @@ def default_eval_lengths(context_tokens: int) -> list[int]:
     return sorted({max(32, context_tokens // 4), max(32, context_tokens // 2), context_tokens, 2 * context_tokens})
 
 
+def eval_new_tokens(knobs: dict[str, Any], examples: Sequence[dict[str, Any]], hops: int | None = None) -> int:
+    """Generation budget of an evaluation: the longest reference + <eos> + 4 (recurrence_trace's
+    traces vary in length, so its examples' own; the pointer tasks' is fixed by ``hops``)."""
+    if knobs["name"] == recurrence_rows.NAME:
+        return max(len(BuiltinTokenizer().encode(ex["reference"])) for ex in examples) + 5
+    return max_reference_tokens(knobs, hops) + 4
+
+
 def accuracy_by_length(config: Qwen3Config, params: Params, knobs: dict[str, Any], lengths: Sequence[int],
                        num_prompts: int = 64, seed: int = 0, schedule=None) -> dict[int, float]:
     """Greedy accuracy on held-out prompts at ``knobs['hops']`` hops, per context length
@@ -462,7 +495,7 @@ def accuracy_by_length(config: Qwen3Config, params: Params, knobs: dict[str, Any
         examples = generate_examples(knobs, num_prompts, seed=int(_EVAL_STREAM + 7919 * seed + int(length)),
                                      context_tokens=int(length))
         out[int(length)] = greedy_accuracy(config, params, examples, knobs["name"], tok,
-                                           max_new_tokens=max_reference_tokens(knobs) + 4, schedule=schedule)
+                                           max_new_tokens=eval_new_tokens(knobs, examples), schedule=schedule)
     return out
 
 
@@ -476,7 +509,7 @@ def accuracy_by_hops(config: Qwen3Config, params: Params, knobs: dict[str, Any],
         examples = generate_examples(knobs, num_prompts, seed=int(_EVAL_STREAM + 7919 * seed + 104_729 * int(h)),
                                      hops=int(h))
         r = greedy_rewards(config, params, examples, knobs["name"], tok,
-                           max_new_tokens=max_reference_tokens(knobs, h) + 4)
+                           max_new_tokens=eval_new_tokens(knobs, examples, int(h)))
         out[int(h)] = dict(reward=float(r.mean()), solved=float((r >= 1.0).mean()))
     return out
 

@@ -1,0 +1,114 @@
+"""The warm-up on recurrence_trace: its knobs, pruned-table curriculum rows that still hold every
+key the trace reads, fixed row lengths that every kept row fits, and a tiny end-to-end warm-up."""
+import os
+import re
+
+import numpy as np
+import pytest
+from ml_collections import ConfigDict
+
+from configs.common import base_config
+from sparrow_jax.data.tasks import recurrence_trace as rt
+from sparrow_jax.models.tokenizer import BuiltinTokenizer
+from sparrow_jax.run.specs import parse_spec
+from sparrow_jax.sft import recurrence_rows as R
+from sparrow_jax.sft import warmup as W
+
+TINY_ARCH = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                 head_dim=16, intermediate_size=64, tie_word_embeddings=True, rope_theta=10000.0,
+                 max_position_embeddings=1024)
+
+
+def _spec(min_lines=0, far_every=0, **warmup):
+    cfg = base_config()
+    cfg.model.tiny = ConfigDict(dict(TINY_ARCH))
+    if warmup:
+        cfg.model.warmup = ConfigDict(warmup)
+    cfg.task.name, cfg.task.context_tokens = "recurrence_trace", 512
+    cfg.task.min_lines, cfg.task.far_every = min_lines, far_every
+    return parse_spec(cfg)
+
+
+def _solve(prompt: str, far_every: int) -> list[str]:
+    """The rule applied to the prompt's own table (a missing key raises KeyError)."""
+    table = dict(re.findall(r"([a-z]{2})=([0-9#]);", prompt))
+    a, b = re.search(r"start (\d)(\d)\n$", prompt).groups()
+    vals, lines, i = [int(a), int(b)], [f"00:{a}", f"01:{b}"], 2
+    while True:
+        if i % 100 % far_every == 0:
+            key = "abcdefghij"[vals[-1]] + "abcdefghij"[vals[-2]]
+            lines.append(f"{i % 100:02d}:{key}={table[key]}")
+            if table[key] == "#":
+                return lines
+            vals.append(int(table[key]))
+        else:
+            vals.append((vals[-1] + vals[-2]) % 10)
+            lines.append(f"{i % 100:02d}:{vals[-1]}")
+        i += 1
+
+
+def test_task_knobs_resolve_the_generator_defaults():
+    assert W.task_knobs(_spec().task) == dict(name="recurrence_trace", context_tokens=512, min_lines=100,
+                                              far_every=10, gap_tokens=0)
+    assert W.task_knobs(_spec(min_lines=40, far_every=5).task)["min_lines"] == 40
+    knobs = W.task_knobs(_spec(min_lines=40, far_every=5).task)
+    assert W.generate_examples(knobs, 2, 9) == rt.generate(2, 9, context_tokens=512, min_lines=40, far_every=5)
+
+
+@pytest.mark.parametrize("table", [0, 24, 120])
+def test_pruned_tables_keep_every_key_the_trace_reads(table):
+    knobs = W.task_knobs(_spec(min_lines=30).task)
+    rng = np.random.default_rng(0)
+    for ex in R.generate(knobs, 6, seed=4):
+        pruned = R.prune_table(ex, table, rng)
+        records = pruned["prompt"].split("\n", 1)[0]
+        n_read = len({line[3:5] for line in ex["reference"].split("\n") if "=" in line})
+        assert records.count(";") == max(n_read, min(table // 5, 100))  # read keys, then others up to the cap
+        assert set(records.split(";")) <= set(ex["prompt"].split("\n", 1)[0].split(";"))  # a subset, same records
+        assert _solve(pruned["prompt"], 10) == pruned["reference"].split("\n")  # still solvable from the prompt
+    assert R.prune_table(ex, 10_000, rng) is ex  # the whole table fits: unchanged
+
+
+def test_reference_token_bound_by_hand():
+    knobs = dict(name="recurrence_trace", context_tokens=512, min_lines=30, far_every=10, gap_tokens=0)
+    # 12 lines: indices 0..11, look-ups at 10 only: 12 x 5 + 3
+    assert R.reference_tokens(knobs, 12) == 63
+    ex = R.generate(knobs, 1, seed=0, min_lines=12)[0]
+    lines = ex["reference"].split("\n")
+    assert len(BuiltinTokenizer().encode(ex["reference"])) + 1 == R.reference_tokens(knobs, len(lines))
+
+
+def test_curriculum_and_final_rows_fit_their_lengths():
+    spec = _spec(min_lines=40, steps=4, batch_size=6, min_context=8, max_train_context=64, queries_per_example=1,
+                 final_frac=0.25, final_batch_size=2, curriculum=((2, 32, 12, 6), (1, 64, 24, 4)))
+    knobs, settings, tok = W.task_knobs(spec.task), W.warmup_settings(spec.model), BuiltinTokenizer()
+    for step in range(3):
+        stage = W.stage_settings(settings, step)
+        length = W.training_length(knobs, stage)
+        tokens, ref_mask, _ = W.training_batch(knobs, stage, step, tok, length)
+        again = W.training_batch(knobs, stage, step, tok, length)[0]
+        assert tokens.shape == (stage.batch_size, length) and np.array_equal(tokens, again)  # deterministic
+        for b in range(tokens.shape[0]):
+            first = int(np.argmax(ref_mask[b]))
+            prompt, ref_ids = tok.decode(tokens[b][:first]), tokens[b][ref_mask[b]]
+            lines = tok.decode(ref_ids[:-1]).split("\n")
+            assert ref_ids[-1] == tok.eos_id and _solve(prompt, 10) == lines  # every read key kept
+            n_read = len({line[3:5] for line in lines if "=" in line})
+            assert prompt.split("\n", 1)[0].count(";") <= max(n_read, stage.max_train_context // 5)
+            assert stage.max_train_hops // 2 <= len(lines) <= R.max_lines(knobs, stage.max_train_hops)
+    tokens, ref_mask, _ = W.final_batch(knobs, settings, 3, tok, W.sequence_length(knobs))
+    for b in range(2):
+        text = tok.decode(tokens[b][ref_mask[b]])
+        assert text.count("\n") + 1 >= 40 and "=#" in text  # the task's own traces
+        assert tok.decode(tokens[b]).split("\n", 1)[0].count(";") == 100  # the task's whole table
+
+
+def test_a_tiny_recurrence_warmup_trains_and_reports_by_trace_length(tmp_path):
+    spec = _spec(min_lines=12, steps=3, batch_size=2, min_context=16, max_train_context=32, queries_per_example=1,
+                 curriculum=((3, 32, 12, 2),), eval_lengths=(512,), eval_hops=(12,), eval_prompts=2)
+    path = W.warmup_model(spec.model, spec.task, cache_dir=str(tmp_path), progress=False)
+    meta = W.read_warmup_meta(path)
+    assert meta["task"] == dict(name="recurrence_trace", context_tokens=512, min_lines=12, far_every=10,
+                                gap_tokens=0)
+    assert set(meta["accuracy_by_hops"]) == {"12"} and set(meta["accuracy_by_length"]) == {"512"}
+    assert 0.0 <= meta["accuracy_by_hops"]["12"]["reward"] <= 1.0 and os.path.isfile(os.path.join(path, "config.json"))
