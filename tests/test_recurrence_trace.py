@@ -1,32 +1,11 @@
 """recurrence_trace: the reference follows the stated rule from the prompt alone, knobs do what
 they say, bad knobs are refused, and the reward gives partial credit."""
-import re
-
 import pytest
+from task_refs import solve_recurrence_prompt
 
 from sparrow_jax.data.registry import get_task
 from sparrow_jax.data.tasks import recurrence_trace as rt
 from sparrow_jax.models.tokenizer import BuiltinTokenizer
-
-
-def _solve_from_prompt(prompt: str, far_every: int) -> list[str]:
-    """An independent solver: parse the table and start digits out of the prompt text and apply
-    the rule line by line until the terminal look-up."""
-    table = dict(re.findall(r"([a-z]{2})=([0-9#]);", prompt))
-    a, b = re.search(r"start (\d)(\d)\n$", prompt).groups()
-    vals, lines = [int(a), int(b)], [f"00:{a}", f"01:{b}"]
-    i = 2
-    while True:
-        if i % 100 % far_every == 0:
-            key = "abcdefghij"[vals[-1]] + "abcdefghij"[vals[-2]]
-            lines.append(f"{i % 100:02d}:{key}={table[key]}")
-            if table[key] == "#":
-                return lines
-            vals.append(int(table[key]))
-        else:
-            vals.append((vals[-1] + vals[-2]) % 10)
-            lines.append(f"{i % 100:02d}:{vals[-1]}")
-        i += 1
 
 
 @pytest.mark.parametrize("far_every,min_lines", [(10, 60), (5, (30, 50)), (20, 130)])
@@ -35,7 +14,7 @@ def test_reference_is_the_rule_applied_to_the_prompt(far_every, min_lines):
     lo, hi = (min_lines, min_lines) if isinstance(min_lines, int) else min_lines
     for ex in examples:
         lines = ex["reference"].split("\n")
-        assert lines == _solve_from_prompt(ex["prompt"], far_every)
+        assert lines == solve_recurrence_prompt(ex["prompt"], far_every)
         assert lo <= len(lines) < hi + 2 * far_every  # ends at the first fresh look-up past min_lines
         assert ex["answer"] == lines[-1] and lines[-1].endswith("=#")
         assert ex["meta"]["lookups"] == sum(1 for line in lines[2:] if "=" in line)

@@ -1,10 +1,10 @@
 """The warm-up on recurrence_trace: its knobs, pruned-table curriculum rows that still hold every
 key the trace reads, fixed row lengths that every kept row fits, and a tiny end-to-end warm-up."""
 import os
-import re
 
 import numpy as np
 import pytest
+from task_refs import solve_recurrence_prompt
 from ml_collections import ConfigDict
 
 from configs.common import base_config
@@ -29,24 +29,6 @@ def _spec(min_lines=0, far_every=0, **warmup):
     return parse_spec(cfg)
 
 
-def _solve(prompt: str, far_every: int) -> list[str]:
-    """The rule applied to the prompt's own table (a missing key raises KeyError)."""
-    table = dict(re.findall(r"([a-z]{2})=([0-9#]);", prompt))
-    a, b = re.search(r"start (\d)(\d)\n$", prompt).groups()
-    vals, lines, i = [int(a), int(b)], [f"00:{a}", f"01:{b}"], 2
-    while True:
-        if i % 100 % far_every == 0:
-            key = "abcdefghij"[vals[-1]] + "abcdefghij"[vals[-2]]
-            lines.append(f"{i % 100:02d}:{key}={table[key]}")
-            if table[key] == "#":
-                return lines
-            vals.append(int(table[key]))
-        else:
-            vals.append((vals[-1] + vals[-2]) % 10)
-            lines.append(f"{i % 100:02d}:{vals[-1]}")
-        i += 1
-
-
 def test_task_knobs_resolve_the_generator_defaults():
     assert W.task_knobs(_spec().task) == dict(name="recurrence_trace", context_tokens=512, min_lines=100,
                                               far_every=10, gap_tokens=0)
@@ -65,7 +47,7 @@ def test_pruned_tables_keep_every_key_the_trace_reads(table):
         n_read = len({line[3:5] for line in ex["reference"].split("\n") if "=" in line})
         assert records.count(";") == max(n_read, min(table // 5, 100))  # read keys, then others up to the cap
         assert set(records.split(";")) <= set(ex["prompt"].split("\n", 1)[0].split(";"))  # a subset, same records
-        assert _solve(pruned["prompt"], 10) == pruned["reference"].split("\n")  # still solvable from the prompt
+        assert solve_recurrence_prompt(pruned["prompt"], 10) == pruned["reference"].split("\n")  # still solvable from the prompt
     assert R.prune_table(ex, 10_000, rng) is ex  # the whole table fits: unchanged
 
 
@@ -92,7 +74,7 @@ def test_curriculum_and_final_rows_fit_their_lengths():
             first = int(np.argmax(ref_mask[b]))
             prompt, ref_ids = tok.decode(tokens[b][:first]), tokens[b][ref_mask[b]]
             lines = tok.decode(ref_ids[:-1]).split("\n")
-            assert ref_ids[-1] == tok.eos_id and _solve(prompt, 10) == lines  # every read key kept
+            assert ref_ids[-1] == tok.eos_id and solve_recurrence_prompt(prompt, 10) == lines  # every read key kept
             n_read = len({line[3:5] for line in lines if "=" in line})
             assert prompt.split("\n", 1)[0].count(";") <= max(n_read, stage.max_train_context // 5)
             assert stage.max_train_hops // 2 <= len(lines) <= R.max_lines(knobs, stage.max_train_hops)
