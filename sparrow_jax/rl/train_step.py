@@ -63,6 +63,11 @@ class StepOptions:
     seq_chunk: int = 128
     attention_impl: str = "auto"  # whole-sequence attention (sparrow_jax.attention.whole_sequence); "reference" = XLA
 
+    @property
+    def bin_starts(self) -> list[int]:
+        """First position of each reported bin (metric keys ``.../bin_<start>``)."""
+        return [i * self.bin_width for i in range(self.num_bins)]
+
 
 @dataclasses.dataclass(frozen=True)
 class DistillOptions:
@@ -474,8 +479,7 @@ def _mismatch_metrics(alpha: jax.Array, kl: jax.Array, mask: jax.Array, opts: St
     positions = jnp.broadcast_to(query_positions(alpha.shape[1]), alpha.shape)
     p5, means, counts = binned_tail_jax(alpha, positions, mask, opts.num_bins, opts.bin_width, 5.0)
     out = {}
-    for i in range(opts.num_bins):
-        start = i * opts.bin_width
+    for i, start in enumerate(opts.bin_starts):
         out[f"mismatch/alpha_p5/bin_{start}"] = p5[i]
         out[f"mismatch/alpha_mean/bin_{start}"] = means[i]
         out[f"mismatch/count/bin_{start}"] = counts[i]

@@ -439,7 +439,7 @@ def steer(loop: Loop, state: LoopState, metrics: dict, batch: Optional[Batch] = 
     """
     if state.controller is None:
         return state, {}
-    settings, starts = loop.controller, [i * loop.opts.bin_width for i in range(loop.opts.num_bins)]
+    settings, starts = loop.controller, loop.opts.bin_starts
     p5 = jnp.asarray([metrics.get(f"mismatch/alpha_p5/bin_{b}", np.nan) for b in starts], jnp.float32)  # empty: NaN
     counts = jnp.asarray([metrics.get(f"mismatch/count/bin_{b}", 0.0) for b in starts], jnp.float32)
     controller, topk = controller_step_jit(settings, state.controller, p5, counts)
@@ -469,7 +469,7 @@ def probe_falls(loop: Loop, state: LoopState, proposed: ControllerState, topk: j
     rejected = probe_rejections(settings, state.controller, proposed, result["lower"])
     if bool(jnp.any(rejected >= 0)):
         proposed, topk = controller_step_jit(settings, state.controller, p5, counts, rejected)
-    out = probe_metrics([i * loop.opts.bin_width for i in range(loop.opts.num_bins)], np.asarray(candidate.topk),
+    out = probe_metrics(loop.opts.bin_starts, np.asarray(candidate.topk),
                         probed, result, np.asarray(rejected))
     out["schedule/probe_cost_vs_dense"] = probe_cost_vs_dense(
         loop.ctx.model_config, num_samples=int(batch.tokens.shape[0]),
@@ -528,7 +528,6 @@ def _run(loop: Loop, progress: bool, resources: contextlib.ExitStack) -> TrainRe
     resources.callback(hist_writer.close)
     bar = resources.enter_context(ProgressBar(total=spec.steps, initial=state.step, desc="rl", disable=not progress))
     every, final_eval = eval_interval(spec.steps, spec.eval_every), {}
-    bin_starts = [i * loop.opts.bin_width for i in range(loop.opts.num_bins)]
     history, streak = [], 0
     if state.step == 0 < spec.steps:  # the starting point, before any update
         final_eval = validation(loop, state)
@@ -541,7 +540,7 @@ def _run(loop: Loop, progress: bool, resources: contextlib.ExitStack) -> TrainRe
             final_eval = validation(loop, state)
             metrics.update(final_eval)
         if alpha_hist is not None:
-            hist_writer.write(state.step, alpha_hist, bin_starts)
+            hist_writer.write(state.step, alpha_hist, loop.opts.bin_starts)
         writer.write(state.step, metrics)
         history.append({"step": state.step, **metrics})
         bar.update(state.step, reward=metrics["reward_mean"], tok_s=metrics["rollout/tokens_per_s"])
