@@ -145,10 +145,9 @@ def run_pipeline(spec: RunSpec) -> dict:
     if spec.study is not None:
         return run_study(spec)
     t0 = time.perf_counter()
-    calibration = None
     start = spec.schedule.online.start if spec.schedule.kind == "online" else spec.schedule.kind
     if start == "calibrated" and not os.path.exists(os.path.join(spec.workdir, "schedule.json")):
-        calibration = calibrate_run(spec)
+        calibrate_run(spec)  # writes <workdir>/calibration.json, which the report reads
     ctx = build_run_context(spec)
     result = train(spec, ctx)
     records = _records(spec.workdir, result)
@@ -162,10 +161,9 @@ def run_pipeline(spec: RunSpec) -> dict:
     report.update(probe_report(training_rows(records), spec.calibration.min_count))  # online probe vs the p5 sampled next
     if spec.distill.enabled:
         report.update(distill_report(spec, ctx, result))
-    if calibration is None:  # calibrated by an earlier attempt of this run (killed, then resumed)
-        calibration = calibration_on_disk(spec.workdir)
+    calibration = calibration_on_disk(spec.workdir)  # this process's calibration, or an earlier attempt's
     if calibration is not None:
-        report["calibration"] = {k: v for k, v in calibration.items() if k in ("validation", "table_path", "png")}
+        report["calibration"] = calibration
     rows = training_rows(records)
     if rows:
         plot_curves({"reward_mean": ([h["step"] for h in rows], [h["reward_mean"] for h in rows])},
