@@ -54,11 +54,17 @@ def test_compiled_temp_matches_measured_peak(train, mesh):
     """Run the compiled step on zeros: resident memory grows by its temp + outputs (within 15%)."""
     exe, _ = train
     state, batch, _ = plan.abstract_train_inputs(tiny_config(), SETTINGS, mesh)
-    zeros = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype, device=x.sharding), (state, batch))
+
+    def zeros():  # fresh inputs per call: the state is donated
+        return jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype, device=x.sharding), (state, batch))
+
     c = memory.compiled_bytes(exe)
     predicted = c["temp"] + c["outputs"] - c["aliased"]
     assert predicted > 50e6, c  # large enough for RSS to resolve
-    measured = memory.measured_run_bytes(exe, *zeros)
+    # The first execution also touches ~25 MB of the runtime's own (thread stacks, executable
+    # set-up) that no compiled figure covers; measure the second, as a training loop runs it.
+    memory.measured_run_bytes(exe, *zeros())
+    measured = memory.measured_run_bytes(exe, *zeros())
     assert 0.85 <= measured / predicted <= 1.15, (measured, c)
 
 
