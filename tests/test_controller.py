@@ -357,7 +357,7 @@ def test_trainer_steers_the_table_from_the_step_metrics(tmp_path):
 def test_online_loop_resumes_exactly_with_the_controller_in_the_checkpoint(tmp_path):
     """Online, dense start: 2 steps straight vs 1 step, a restart, 1 more: the same loop state, controller
     included; p5 = 1 at the dense budget, so after the second step (patience 2) bin 0 proposes a fall of one
-    level, and the probe rejects it: its 8 completion tokens are too few for a p5 bound (59 at z = 1.64).
+    level, and the probe rejects it: its 8 completion tokens are too few for a p5 bound (< 59).
     Bin 0 (positions < 64, pages of 8) starts at its own dense top-k: 8 pages less 3 reserved."""
     from sparrow_jax.rl.trainer import train
     from sparrow_jax.run.context import build_run_context

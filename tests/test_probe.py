@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from sparrow_jax.mismatch.probe import (LOWER_PERCENTILES, candidate_tail, p5_rank_lower_bound, probe_metrics,
+from sparrow_jax.mismatch.probe import (candidate_tail, group_draws, grouped_p5_lower_bound, probe_metrics,
                                         probe_report)
 from sparrow_jax.mismatch.scorers import score_rollout
 from sparrow_jax.mismatch.tail import binned_percentile, query_positions
@@ -24,19 +24,47 @@ SETTINGS = ControllerSettings(grid=topk_grid(32, 4), tau=0.86, margin=0.03, up_l
                               min_tokens=100, smoothing=0.5, z=1.64, patience=2, probe=True, probe_margin=0.02)
 
 
-def _reference_rank(n: int, z: float) -> int:
-    """Largest r in [0, n] with P(Binomial(n, 0.05) >= r) >= Phi(z), by scipy in float64."""
-    conf = stats.norm.cdf(z)
-    return max(r for r in range(n + 1) if (1.0 if r == 0 else stats.binom.sf(r - 1, n, 0.05)) >= conf)
+def _reference_bound(alpha, bins, mask, groups, num_bins, confidence, resamples, seed):
+    """The bound spelled out: each resample's tokens listed with repetition, numpy's inverted-CDF p5."""
+    draws = group_draws(len(set(groups)), resamples, seed)
+    out = []
+    for b in range(num_bins):
+        p5s = []
+        for counts in draws:
+            v = np.concatenate([np.repeat(alpha[r][mask[r] & (bins[r] == b)], counts[groups[r]])
+                                for r in range(len(groups))])
+            if v.size:
+                p5s.append(np.percentile(v, 5.0, method="inverted_cdf"))
+        out.append(np.quantile(p5s, 1 - confidence, method="lower"))
+    return np.asarray(out)
 
 
-def test_rank_bound_matches_the_binomial_reference():
-    counts = [0, 1, 20, 58, 59, 60, 100, 250, 1000, 1130, 4000]
-    got = np.asarray(p5_rank_lower_bound(jnp.asarray(counts), 1.64))
-    want = [_reference_rank(n, 1.64) for n in counts]
-    np.testing.assert_array_equal(got, want)
-    assert want[3] == 0 and want[4] == 1  # 59 tokens: the smallest bound at 95% (1 - 0.95^59 >= 0.95)
-    assert np.asarray(p5_rank_lower_bound(jnp.asarray([1000]), 0.0))[0] == _reference_rank(1000, 0.0)
+def test_grouped_bound_matches_the_spelled_out_bootstrap():
+    rng = np.random.default_rng(0)
+    alpha = rng.uniform(0.7, 1.0, size=(8, 40))
+    bins = np.broadcast_to(np.arange(40) // 20, (8, 40))
+    mask = rng.uniform(size=(8, 40)) < 0.8
+    groups = np.arange(8) // 2
+    got = grouped_p5_lower_bound(alpha, bins, mask, groups, 2, confidence=0.9, resamples=50, seed=3, min_tokens=1)
+    np.testing.assert_allclose(got, _reference_bound(alpha, bins, mask, groups, 2, 0.9, 50, 3), atol=0)
+    # one group has its tail far lower: a bound over prompts sees it, well below the pooled p5
+    alpha[:2, :] *= 0.5
+    low = grouped_p5_lower_bound(alpha, bins, mask, groups, 2, confidence=0.9, resamples=200, seed=3)
+    pooled = [np.percentile(alpha[mask & (bins == b)], 5.0) for b in range(2)]
+    assert (low < 0.5).all() and (np.asarray(pooled) < 0.5).all()
+    healthy = grouped_p5_lower_bound(alpha[2:], bins[2:], mask[2:], groups[2:], 2, confidence=0.9, seed=3,
+                                     min_tokens=1)
+    assert (healthy > 0.7).all()
+
+
+def test_grouped_bound_edge_cases():
+    alpha, bins = np.full((4, 6), 0.9), np.broadcast_to(np.arange(6) // 2, (4, 6))
+    mask = np.ones((4, 6), bool)
+    mask[:, 4:] = False  # bin 2 empty
+    mask[2:, 2:4] = False  # bin 1: only group 0 reaches it
+    out = grouped_p5_lower_bound(alpha, bins, mask, np.asarray([0, 0, 1, 1]), 3, min_tokens=8)
+    assert out[0] == 0.9 and out[1] == -np.inf and np.isnan(out[2])
+    assert grouped_p5_lower_bound(alpha, bins, mask, np.asarray([0, 0, 1, 1]), 3, min_tokens=9)[0] == -np.inf
 
 
 @pytest.fixture(scope="module")
@@ -56,35 +84,28 @@ def _schedule(topk):
 
 
 def test_candidate_tail_matches_the_scorer_and_the_host_percentiles(rollouts):
-    """p5 per bin equals numpy's over the scorer's alpha at the candidate table; the bound is the order
-    statistic of the binomial rank, rounded down onto the percentiles read."""
+    """p5 per bin equals numpy's over the scorer's alpha at the candidate table; alpha and bins come back
+    for the grouped bound."""
     params, tokens, mask, prompt_lens = rollouts
     sched = _schedule((1, 1, 2))
     out = jax.device_get(candidate_tail(CONFIG, params, params, tokens, mask, prompt_lens, sched, num_bins=BINS,
-                                        bin_width=BIN, seq_chunk=32, z=1.64))
+                                        bin_width=BIN, seq_chunk=32))
     alpha = np.asarray(score_rollout(CONFIG, params, params, tokens, prompt_lens, schedule=sched, top_k=0)["alpha"])
     pos = np.minimum(np.broadcast_to(query_positions(96), alpha.shape), BINS * BIN - 1)  # the last bin pools later
     starts, p5, counts = binned_percentile(alpha, pos, np.asarray(mask), BIN, 5.0)
     assert list(starts) == [0, 32, 64]
     np.testing.assert_array_equal(out["count"], counts)
     np.testing.assert_allclose(out["p5"], p5, atol=1e-6)
+    np.testing.assert_allclose(out["alpha"], alpha, atol=1e-6)
+    np.testing.assert_array_equal(out["bins"], pos // BIN)
     assert (p5[1:] < 0.999).all()  # beyond the reserved pages the table changes alpha: real tails
-    for i in range(BINS):
-        v = np.sort(alpha[(pos // BIN == i) & np.asarray(mask)])
-        r = _reference_rank(len(v), 1.64)
-        if r == 0:
-            assert out["lower"][i] == -np.inf
-            continue
-        exact_q = 100.0 * (r - 1) / (len(v) - 1)
-        q = max(g for g in LOWER_PERCENTILES if g <= exact_q + 1e-9)
-        np.testing.assert_allclose(out["lower"][i], np.percentile(v, q), atol=1e-6)
-        assert out["lower"][i] <= v[r - 1] + 1e-6 and out["lower"][i] <= out["p5"][i]
-    assert np.isfinite(out["lower"][1])  # the middle bin is full: a real bound
+    lower = grouped_p5_lower_bound(out["alpha"], out["bins"], np.asarray(mask), np.arange(6) // 2, BINS, min_tokens=1)
+    assert (lower <= out["p5"] + 0.02).all()  # a bound over draws of prompts sits at or under the step's p5
 
 
 def test_a_covering_table_reads_alpha_one_and_budgets_in_a_bucket_compile_once(rollouts):
     params, tokens, mask, prompt_lens = rollouts
-    kw = dict(num_bins=BINS, bin_width=BIN, seq_chunk=32, z=1.64)
+    kw = dict(num_bins=BINS, bin_width=BIN, seq_chunk=32)
     dense = jax.device_get(candidate_tail(CONFIG, params, params, tokens, mask, prompt_lens, _schedule((12, 12, 12)),
                                           **kw))
     np.testing.assert_allclose(dense["p5"], 1.0, atol=1e-5)  # every page kept: sparse == dense

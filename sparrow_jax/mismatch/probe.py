@@ -4,27 +4,28 @@ The online controller (:mod:`sparrow_jax.rollout.schedule_control`) proposes fal
 measured at the current budgets. :func:`candidate_tail` scores the same rollouts teacher-forced
 with the sparse actor at the proposed (candidate) table, every falling bin lowered at once, one
 pass (:func:`sparrow_jax.mismatch.scorers.score_rollout`), and returns per position bin the
-candidate's p5 and a lower confidence bound on it; the controller keeps a fall only where the
-bound clears ``tau + probe_margin``.
+candidate's p5 and its tokens' acceptance rates; :func:`grouped_p5_lower_bound` turns those into a
+lower confidence bound, and the controller keeps a fall only where the bound clears
+``tau + probe_margin``.
 
-**The bound.** A bin's tokens are treated as ``n`` independent draws of alpha. The number of them
-at or below the true 5th percentile is Binomial(n, 0.05), so the ``r``-th smallest value lies at
-or below that percentile with probability ``P(Binomial(n, 0.05) >= r)``. The bound is the
-order statistic with the largest ``r`` for which that probability is at least the confidence
-``Phi(z)`` (:func:`p5_rank_lower_bound`), no bound (``-inf``) when even ``r = 1`` falls short
-(fewer than 59 tokens at 95%). Tokens of one row are not independent and the next rollouts draw
-other prompts, so the bound is optimistic about the next step: ``probe_margin`` covers that.
+**The bound is over prompts, not tokens.** The next step draws other prompts, and a step's p5 moves
+with them far more than with its token count: at one fixed budget the calibrated quickstart reads
+p5 0.99 one step and 0.24 the next in its last bin, when one of 16 rows goes off its trace (every
+later token of that row then has a low rate, and one row is > 5% of a bin). Treating tokens as
+independent draws (a binomial order-statistic bound) gives a bound within ~0.01 of the step's own
+p5 and cannot see that. The bound here resamples whole prompts (a GRPO group's rows together) with
+replacement, recomputes each bin's p5 per resample, and takes the ``1 - confidence`` quantile of
+those p5s: what another draw of as many prompts would read, at the confidence asked.
 
 **Off-policy.** The tokens were sampled at the higher budget; at the lower one the actor would
 have drawn others (and reached states its errors lead to). The controller logs the candidate's
-p5 (``schedule/probe_p5/bin_<start>``) and its table (``schedule/probe_topk/bin_<start>``), and
-:func:`probe_report` pairs each accepted fall's prediction with the p5 that sampling at that
-budget measured the next step.
+p5 (``schedule/probe_p5/bin_<start>``), its bound (``schedule/probe_lower/bin_<start>``) and its
+table (``schedule/probe_topk/bin_<start>``), and :func:`probe_report` pairs each accepted fall's
+prediction with the p5 that sampling at that budget measured the next step.
 """
 from __future__ import annotations
 
 import functools
-import math
 from typing import Any
 
 import jax
@@ -37,41 +38,12 @@ from sparrow_jax.mismatch.tail import binned_percentile_jax, query_positions
 from sparrow_jax.models.config import Qwen3Config
 from sparrow_jax.rollout.schedule import position_bins
 
-# Percentiles read besides p5, a lower bound rounds down onto them: 0, 0.05, ..., 5 (a rank step of
-# one token per 2000 tokens in the bin)
-LOWER_PERCENTILES = tuple(round(0.05 * i, 2) for i in range(101))
 
-
-def p5_rank_lower_bound(counts: jax.Array, z: float, quantile: float = 0.05) -> jax.Array:
-    """int32 [bins]: the largest rank ``r`` (1-based; 0: none) whose order statistic of ``n`` iid draws
-    lies at or below the population ``quantile`` with probability >= ``Phi(z)``, for ``n`` = counts [bins].
-
-    ``P(X_(r) <= x_q) = P(Binomial(n, q) >= r) = I_q(r, n - r + 1)`` (regularised incomplete beta), which
-    falls as ``r`` grows: a binary search over ``r`` in [0, n].
-    """
-    confidence = 0.5 * (1.0 + math.erf(float(z) / math.sqrt(2.0)))
-    n = jnp.asarray(counts).astype(jnp.int32)
-
-    def tail(r):  # P(Binomial(n, q) >= r), 1 for r = 0
-        rf = jnp.maximum(r, 1).astype(jnp.float32)
-        p = jax.scipy.special.betainc(rf, jnp.maximum(n - r + 1, 1).astype(jnp.float32), jnp.float32(quantile))
-        return jnp.where(r >= 1, p, 1.0)
-
-    def halve(_, bounds):  # invariant: tail(lo) >= confidence > tail(hi) (tail(n + 1) = 0)
-        lo, hi = bounds
-        mid = (lo + hi) // 2
-        ok = tail(mid) >= confidence
-        return jnp.where(ok, mid, lo), jnp.where(ok, hi, mid)
-
-    lo, _ = jax.lax.fori_loop(0, 32, halve, (jnp.zeros_like(n), n + 1))
-    return lo
-
-
-@functools.partial(jax.jit, static_argnames=("config", "num_bins", "bin_width", "temperature", "seq_chunk", "z"))
+@functools.partial(jax.jit, static_argnames=("config", "num_bins", "bin_width", "temperature", "seq_chunk"))
 def candidate_tail(config: Qwen3Config, dense_params: Any, sparse_params: Any, tokens: jax.Array, mask: jax.Array,
                    prompt_lens: jax.Array, schedule, *, num_bins: int, bin_width: int, temperature: float = 1.0,
-                   seq_chunk: int = 256, z: float = 1.64) -> dict[str, jax.Array]:
-    """Per-bin p5 of the sparse actor at ``schedule`` on given rollouts, and its lower confidence bound.
+                   seq_chunk: int = 256) -> dict[str, jax.Array]:
+    """Per-bin p5 of the sparse actor at ``schedule`` on given rollouts, and the rates it is read from.
 
     Args:
       dense_params / sparse_params: the policy and the sparse actor (the params the next rollouts use).
@@ -80,23 +52,60 @@ def candidate_tail(config: Qwen3Config, dense_params: Any, sparse_params: Any, t
         ``k_max`` bucket compiles nothing).
       num_bins, bin_width: the train step's bins (the last pools later positions; tokens binned at
         their producing query, :func:`query_positions`).
-      z: one-sided normal quantile of the bound's confidence.
-    Returns float32 ``p5`` [num_bins] (NaN in empty bins), ``lower`` [num_bins] (the order statistic
-    of :func:`p5_rank_lower_bound`; -inf where the bin has too few tokens, NaN where none), int32
-    ``count`` [num_bins].
+    Returns float32 ``p5`` [num_bins] (NaN in empty bins), int32 ``count`` [num_bins], float32 ``alpha``
+    [B, T] (per-token acceptance rates) and int32 ``bins`` [B, T] (each token's bin), the inputs of
+    :func:`grouped_p5_lower_bound`.
     """
     alpha = score_rollout(config, dense_params, sparse_params, tokens, prompt_lens, schedule=schedule,
                           temperature=temperature, seq_chunk=seq_chunk, top_k=0)["alpha"]
     bins = position_bins(jnp.broadcast_to(query_positions(tokens.shape[1]), tokens.shape), bin_width, num_bins)
-    pct, counts = binned_percentile_jax(alpha, bins, mask, num_bins, 1, (5.0,) + LOWER_PERCENTILES)
-    rank = p5_rank_lower_bound(counts, z)
-    # X_(r) is the percentile 100 (r - 1) / (n - 1) (numpy's linear rule); round down onto the grid read
-    exact = 100.0 * (rank - 1).astype(jnp.float32) / jnp.maximum(counts - 1, 1).astype(jnp.float32)
-    grid = jnp.asarray(LOWER_PERCENTILES, jnp.float32)
-    index = jnp.clip(jnp.sum(grid[None, :] <= exact[:, None], axis=1) - 1, 0, len(grid) - 1)
-    lower = jnp.take_along_axis(pct[:, 1:], index[:, None], axis=1)[:, 0]
-    lower = jnp.where(counts == 0, jnp.nan, jnp.where(rank >= 1, lower, -jnp.inf))
-    return {"p5": pct[:, 0], "lower": lower, "count": counts}
+    pct, counts = binned_percentile_jax(alpha, bins, mask, num_bins, 1, (5.0,))
+    return {"p5": pct[:, 0], "count": counts, "alpha": alpha, "bins": bins.astype(jnp.int32)}
+
+
+def group_draws(num_groups: int, resamples: int, seed: int) -> np.ndarray:
+    """int64 [resamples, num_groups]: how many times each group is drawn in each bootstrap resample
+    (``num_groups`` draws with replacement per resample)."""
+    picks = np.random.default_rng(seed).integers(num_groups, size=(resamples, num_groups))
+    return np.stack([np.bincount(p, minlength=num_groups) for p in picks])
+
+
+def grouped_p5_lower_bound(alpha: np.ndarray, bins: np.ndarray, mask: np.ndarray, groups: np.ndarray,
+                           num_bins: int, *, confidence: float = 0.95, resamples: int = 256, seed: int = 0,
+                           quantile: float = 0.05, min_tokens: int = 59) -> np.ndarray:
+    """Lower confidence bound on each bin's p5 under a new draw of prompts: float64 [num_bins].
+
+    Args:
+      alpha: float [B, T] per-token acceptance rates; bins: int [B, T] each token's bin; mask: bool [B, T]
+        tokens that count; groups: int [B] each row's prompt (rows of one GRPO group share it).
+      confidence: the bound is the ``1 - confidence`` quantile (numpy's "lower" rule) of the bin's p5 over
+        ``resamples`` bootstrap resamples of whole groups (:func:`group_draws` with ``seed``).
+      quantile: the percentile bounded (0.05: p5); per resample the weighted "inverted CDF" quantile, the
+        smallest rate whose resample weight at or below it reaches ``quantile`` of the bin's.
+      min_tokens: fewer tokens in a bin give no bound (59: below it even the bin's smallest rate is not a
+        95% bound on its p5 for iid tokens, 1 - 0.95^59 >= 0.95).
+    Returns NaN where the bin has no tokens, ``-inf`` (no bound) where it has fewer than ``min_tokens``
+    or fewer than two groups reach it (no between-prompt spread to measure).
+    """
+    _, row_group = np.unique(np.asarray(groups), return_inverse=True)
+    mask = np.asarray(mask, bool)
+    row_weight = group_draws(int(row_group.max()) + 1, resamples, seed)[:, row_group]  # [R, B]
+    out = np.full(num_bins, np.nan)
+    for b in range(num_bins):
+        rows, cols = np.nonzero(mask & (np.asarray(bins) == b))
+        if rows.size == 0:
+            continue
+        if rows.size < min_tokens or np.unique(row_group[rows]).size < 2:
+            out[b] = -np.inf
+            continue
+        order = np.argsort(np.asarray(alpha)[rows, cols], kind="stable")
+        values, rows = np.asarray(alpha, np.float64)[rows, cols][order], rows[order]
+        cum = np.cumsum(row_weight[:, rows], axis=1)  # [R, n] resample weight at or below each sorted rate
+        total = cum[:, -1]
+        first = np.minimum(np.sum(cum < quantile * total[:, None], axis=1), values.size - 1)
+        p5s = values[first][total > 0]  # a resample that drew none of the bin's groups reads nothing
+        out[b] = np.quantile(p5s, 1.0 - confidence, method="lower") if p5s.size else -np.inf
+    return out
 
 
 def probe_cost_vs_dense(config: Qwen3Config, *, num_samples: int, prompt_len: int, gen_len: int,

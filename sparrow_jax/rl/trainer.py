@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 import os
 import time
 from typing import TYPE_CHECKING, Any, NamedTuple, Optional
@@ -31,7 +32,8 @@ from sparrow_jax.data.rewards import RewardPool
 from sparrow_jax.io.checkpoint import CheckpointManager
 from sparrow_jax.io.metrics import HistogramWriter, MetricWriter, ProgressBar
 from sparrow_jax.mismatch.calibrate import sparse_token_fraction, validate as validate_schedule
-from sparrow_jax.mismatch.probe import candidate_tail, probe_cost_vs_dense, probe_metrics
+from sparrow_jax.mismatch.probe import (candidate_tail, grouped_p5_lower_bound, probe_cost_vs_dense,
+                                        probe_metrics)
 from sparrow_jax.models.lora import LoraConfig, init_lora, with_lora
 from sparrow_jax.parallel import (host_array, is_primary, make_mesh, mesh_context, shard_batch, shard_params,
                                   shard_train_state)
@@ -463,8 +465,13 @@ def probe_falls(loop: Loop, state: LoopState, proposed: ControllerState, topk: j
     result = jax.device_get(candidate_tail(loop.ctx.model_config, state.train.params, actor_params(loop, state),
                                            batch.tokens, batch.mask > 0, batch.prompt_lens, candidate,
                                            num_bins=loop.opts.num_bins, bin_width=loop.opts.bin_width,
-                                           temperature=loop.opts.temperature, seq_chunk=loop.opts.seq_chunk,
-                                           z=settings.z))
+                                           temperature=loop.opts.temperature, seq_chunk=loop.opts.seq_chunk))
+    rows = int(batch.tokens.shape[0])
+    # resampled by prompt (a group's rows together), seeded by the step: a resumed run draws the same
+    result["lower"] = grouped_p5_lower_bound(
+        result["alpha"], result["bins"], np.asarray(batch.mask) > 0, np.arange(rows) // loop.spec.rollout.group_size,
+        loop.opts.num_bins, confidence=0.5 * (1.0 + math.erf(settings.z / math.sqrt(2.0))),
+        seed=loop.spec.seed * 1_000_003 + int(state.train.step))
     probed = np.asarray(probed_bins(settings, state.controller, proposed))
     rejected = probe_rejections(settings, state.controller, proposed, result["lower"])
     if bool(jnp.any(rejected >= 0)):
