@@ -186,6 +186,9 @@ def train_config() -> ConfigDict:
         dynamic_sampling_rounds=3,  # extra sampling rounds per step; a batch still short keeps equal-reward groups
         max_nonfinite_steps=3,  # stop after this many steps in a row with a skipped non-finite update (0: never)
         remat=False,  # rematerialise layer activations (long sequences)
+        # the random-reward control: the update learns from 0/1 coin flips with the batch's mean reward
+        # (the logged reward_mean stays the real one); a held-out gain then is not from the reward
+        random_reward=False,
     ))
 
 

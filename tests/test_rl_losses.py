@@ -471,3 +471,16 @@ def test_verl_grpo_advantages_numpy():
     r = np.array(REWARDS).reshape(3, 4)
     want = (r - r.mean(axis=1, keepdims=True)) / (r.std(axis=1, ddof=1, keepdims=True) + 1e-6)
     close(group_advantages(jnp.array(REWARDS), 4, "grpo"), want.reshape(-1))
+
+
+def test_coin_flip_rewards_keep_the_mean_and_replay_with_the_seed():
+    from sparrow_jax.rl.advantages import coin_flip_rewards
+
+    real = np.linspace(0.0, 0.6, 4000)  # partial credit, mean 0.3
+    flips = coin_flip_rewards(real, (0, 5, 0))
+    assert set(np.unique(flips)) == {0.0, 1.0} and flips.dtype == np.float32
+    assert abs(flips.mean() - 0.3) < 4 * np.sqrt(0.3 * 0.7 / 4000)  # within 4 binomial standard errors
+    np.testing.assert_array_equal(flips, coin_flip_rewards(real, (0, 5, 0)))  # a resumed step draws the same
+    assert not np.array_equal(flips, coin_flip_rewards(real, (0, 6, 0)))
+    assert np.corrcoef(flips, real)[0, 1] < 0.1  # no information about which row earned its reward
+    assert coin_flip_rewards(np.zeros(8), (1,)).sum() == 0

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 ADVANTAGE_MODES = ("grpo", "drgrpo")
 
@@ -61,3 +62,15 @@ def group_advantages(rewards: jax.Array, group_size: int, mode: str = "grpo",
     else:
         adv = r - mean
     return adv.reshape(n).astype(rewards.dtype)
+
+
+def coin_flip_rewards(rewards: np.ndarray, seed: tuple[int, ...]) -> np.ndarray:
+    """float32 [N]: the random-reward control's rewards, 0/1 coin flips with the batch's mean reward.
+
+    A held-out gain from training on these is not from the reward (it comes from the update itself:
+    sharpening, length drift). The flips keep the real rewards' mean, so the update's scale and the
+    share of groups with a signal stay comparable; ``seed`` (e.g. (run seed, step, first row)) makes a
+    resumed run draw the same flips.
+    """
+    p = float(np.clip(np.mean(rewards), 0.0, 1.0)) if len(rewards) else 0.0
+    return (np.random.default_rng(seed).random(len(rewards)) < p).astype(np.float32)

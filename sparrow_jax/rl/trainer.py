@@ -38,7 +38,7 @@ from sparrow_jax.models.lora import LoraConfig, init_lora, with_lora
 from sparrow_jax.parallel import (host_array, is_primary, make_mesh, mesh_context, shard_batch, shard_params,
                                   shard_train_state)
 from sparrow_jax.parallel.process_rows import gather_rows, process_rows, rows_to_global
-from sparrow_jax.rl.advantages import group_advantages
+from sparrow_jax.rl.advantages import coin_flip_rewards, group_advantages
 from sparrow_jax.rl.collect import CollectOptions, collect_batch, completion_lens
 from sparrow_jax.rl.context import RunContext
 from sparrow_jax.rl.guards import assert_finite, nonfinite_streak
@@ -368,7 +368,11 @@ def collect(loop: Loop, state: LoopState, key) -> tuple[Batch, dict, jax.Array]:
         return rollout, rewards, {"reward/timeouts": timeouts, "reward/errors": errors, "reward/nonfinite": nonfinite}
 
     rollout, rewards, rows_in_loss, metrics = collect_batch(sample_round, collect_options(loop.spec))
-    adv = np.asarray(group_advantages(jnp.asarray(rewards), g, mode=loop.spec.train.adv_mode))
+    learned = rewards
+    if loop.spec.train.random_reward:  # the control: the update sees coin flips, the logs the real rewards
+        learned = coin_flip_rewards(rewards, (loop.spec.seed, int(state.step), start))
+        metrics["reward/random_mean"] = float(np.mean(learned))
+    adv = np.asarray(group_advantages(jnp.asarray(learned), g, mode=loop.spec.train.adv_mode))
     width = int(gather(np.asarray([rollout.lengths.max()])).max())  # the same padded length everywhere
     tokens, mask, logp = _pad_batch(rollout, width)
     fields = Batch(tokens, mask_truncated(mask, ~rows_in_loss), logp, adv, rollout.prompt_lens)

@@ -145,6 +145,7 @@ class TrainSpec:
     dynamic_sampling_rounds: int
     max_nonfinite_steps: int
     remat: bool
+    random_reward: bool  # the control arm: learn from coin flips with the batch's mean reward
 
 
 @_spec
