@@ -29,7 +29,7 @@ max completion length).
 from __future__ import annotations
 
 import math
-from typing import Optional, Union
+from typing import NamedTuple, Optional, Union
 
 import jax
 import jax.numpy as jnp
@@ -188,6 +188,74 @@ def _check_tis_args(fn: str, cap: Optional[float], level: str, bounds) -> tuple[
     return cap_f, bounds
 
 
+class _Ratios(NamedTuple):
+    """Importance ratios p_ref / p_inf of :func:`tis_weights_and_keep` ("units": tokens or sequences)."""
+
+    log_ratio: Array  # [B, T] logp_old_dense - logp_sampler, 0 at masked positions
+    safe: Array  # [B, T] log_ratio clamped to +-SAFETY_BOUND
+    seq_valid: Array  # bool [B] rows with a valid token
+    raw: Array  # [B, T] each token's raw ratio (its unit's)
+    unit_raw: Array  # raw ratio per unit: [B, T] (token level) or [B] (sequence level)
+    unit_w: Array  # float32 weight of each unit in the unit metrics (same shape)
+
+
+def _is_ratios(logp_old_dense: Array, logp_sampler: Array, maskf: Array, maskb: Array, level: str) -> _Ratios:
+    """Raw ratios (safety-clamped exp of the log-ratio) at ``level`` "token" or "sequence". Inputs [B, T]."""
+    log_ratio = jnp.where(maskb, logp_old_dense - logp_sampler, 0.0)  # [B, T]
+    lr_safe = jnp.clip(log_ratio, -SAFETY_BOUND, SAFETY_BOUND)
+    seq_valid = jnp.any(maskb, axis=-1)  # [B]
+    if level == "token":
+        raw = jnp.exp(lr_safe)  # [B, T]
+        return _Ratios(log_ratio, lr_safe, seq_valid, raw, raw, maskf)
+    seq_lr = jnp.sum(log_ratio, axis=-1)  # masked positions are already 0
+    unit_raw = jnp.exp(jnp.clip(seq_lr, -SAFETY_BOUND, SAFETY_BOUND))  # [B]
+    unit_w = seq_valid.astype(jnp.float32)
+    raw = jnp.broadcast_to(unit_raw[:, None], log_ratio.shape)
+    return _Ratios(log_ratio, lr_safe, seq_valid, raw, unit_raw, unit_w)
+
+
+def _ratio_bounds(raw: Array, cap: float, bounds: Optional[tuple[float, float]]) -> tuple[Array, float, float]:
+    """(bool [B, T] raw ratio within ``bounds`` (all True without), the low and high ratios the
+    fraction metrics count against: the bounds, else 1 / cap and cap)."""
+    if bounds is None:
+        return jnp.ones(raw.shape, dtype=bool), 1.0 / cap, cap
+    return (raw >= bounds[0]) & (raw <= bounds[1]), bounds[0], bounds[1]
+
+
+def _tis_metrics(r: _Ratios, weights: Array, maskf: Array, maskb: Array, in_bounds: Array, lower: float,
+                 upper: float) -> Metrics:
+    """verl's ``rollout_corr/`` metrics of :func:`tis_weights_and_keep` (see there), stop-gradient."""
+    unit_valid = r.unit_w != 0
+
+    def unit_frac(cond: Array) -> Array:
+        return _safe_div(jnp.sum(cond.astype(jnp.float32) * r.unit_w), jnp.sum(r.unit_w))
+
+    rejected = maskb & ~in_bounds
+    w_mean = _masked_mean(weights, maskf)
+    w_norm = _safe_div(weights, w_mean)
+    ess = _safe_div(1.0, _masked_mean(jnp.square(w_norm), maskf))
+    seq_rejected = jnp.any(rejected, axis=-1)
+    m = {
+        "rollout_is_mean": w_mean,
+        "rollout_is_max": _masked_max(weights, maskb),
+        "rollout_is_min": _masked_min(weights, maskb),
+        "rollout_is_raw_mean": _safe_div(jnp.sum(jnp.where(unit_valid, r.unit_raw, 0.0) * r.unit_w),
+                                         jnp.sum(r.unit_w)),
+        "rollout_is_raw_max": _masked_max(r.unit_raw, unit_valid),
+        "rollout_is_raw_min": _masked_min(r.unit_raw, unit_valid),
+        "rollout_is_ratio_fraction_high": unit_frac(r.unit_raw > upper),
+        "rollout_is_ratio_fraction_low": unit_frac(r.unit_raw < lower),
+        "rollout_is_oob_ratio": _masked_mean(rejected.astype(jnp.float32), maskf),
+        "rollout_is_seq_masked_fraction": _safe_div(
+            jnp.sum((seq_rejected & r.seq_valid).astype(jnp.float32)),
+            jnp.sum(r.seq_valid.astype(jnp.float32))),
+        "rollout_is_eff_sample_size": ess,
+        "kl": _masked_mean(-r.log_ratio, maskf),
+        "k3_kl": _masked_mean(jnp.exp(r.safe) - r.safe - 1.0, maskf),
+    }
+    return {f"rollout_corr/{k}": jax.lax.stop_gradient(v) for k, v in m.items()}
+
+
 def tis_weights_and_keep(logp_old_dense: Array, logp_sampler: Array, mask: Array,
                          cap: Optional[float] = 3.0, level: str = "token",
                          mask_ratio_bounds: Optional[tuple[float, float]] = None,
@@ -235,59 +303,11 @@ def tis_weights_and_keep(logp_old_dense: Array, logp_sampler: Array, mask: Array
     # The weights change the sampling measure, not the objective: no gradient through them.
     logp_old_dense = jax.lax.stop_gradient(logp_old_dense).astype(jnp.float32)
     logp_sampler = jax.lax.stop_gradient(logp_sampler).astype(jnp.float32)
-
-    log_ratio = jnp.where(maskb, logp_old_dense - logp_sampler, 0.0)  # [B, T]
-    lr_safe = jnp.clip(log_ratio, -SAFETY_BOUND, SAFETY_BOUND)
-    seq_valid = jnp.any(maskb, axis=-1)  # [B]
-    if level == "token":
-        raw = jnp.exp(lr_safe)  # [B, T]
-        unit_raw, unit_w = raw, maskf
-    else:
-        seq_lr = jnp.sum(log_ratio, axis=-1)  # masked positions are already 0
-        unit_raw = jnp.exp(jnp.clip(seq_lr, -SAFETY_BOUND, SAFETY_BOUND))  # [B]
-        unit_w = seq_valid.astype(jnp.float32)
-        raw = jnp.broadcast_to(unit_raw[:, None], log_ratio.shape)
-
-    if bounds is None:
-        in_bounds = jnp.ones(raw.shape, dtype=bool)
-        lower, upper = 1.0 / cap_f, cap_f
-    else:
-        in_bounds = (raw >= bounds[0]) & (raw <= bounds[1])
-        lower, upper = bounds
-
+    ratios = _is_ratios(logp_old_dense, logp_sampler, maskf, maskb, level)
+    in_bounds, lower, upper = _ratio_bounds(ratios.raw, cap_f, bounds)
     keep = maskb & in_bounds
-    weights = jax.lax.stop_gradient(jnp.where(keep, jnp.minimum(raw, cap_f), 0.0))
-
-    unit_valid = unit_w != 0
-
-    def unit_frac(cond: Array) -> Array:
-        return _safe_div(jnp.sum(cond.astype(jnp.float32) * unit_w), jnp.sum(unit_w))
-
-    rejected = maskb & ~in_bounds
-    w_mean = _masked_mean(weights, maskf)
-    w_norm = _safe_div(weights, w_mean)
-    ess = _safe_div(1.0, _masked_mean(jnp.square(w_norm), maskf))
-    seq_rejected = jnp.any(rejected, axis=-1)
-    m = {
-        "rollout_is_mean": w_mean,
-        "rollout_is_max": _masked_max(weights, maskb),
-        "rollout_is_min": _masked_min(weights, maskb),
-        "rollout_is_raw_mean": _safe_div(jnp.sum(jnp.where(unit_valid, unit_raw, 0.0) * unit_w),
-                                         jnp.sum(unit_w)),
-        "rollout_is_raw_max": _masked_max(unit_raw, unit_valid),
-        "rollout_is_raw_min": _masked_min(unit_raw, unit_valid),
-        "rollout_is_ratio_fraction_high": unit_frac(unit_raw > upper),
-        "rollout_is_ratio_fraction_low": unit_frac(unit_raw < lower),
-        "rollout_is_oob_ratio": _masked_mean(rejected.astype(jnp.float32), maskf),
-        "rollout_is_seq_masked_fraction": _safe_div(
-            jnp.sum((seq_rejected & seq_valid).astype(jnp.float32)),
-            jnp.sum(seq_valid.astype(jnp.float32))),
-        "rollout_is_eff_sample_size": ess,
-        "kl": _masked_mean(-log_ratio, maskf),
-        "k3_kl": _masked_mean(jnp.exp(lr_safe) - lr_safe - 1.0, maskf),
-    }
-    metrics = {f"rollout_corr/{k}": jax.lax.stop_gradient(v) for k, v in m.items()}
-    return weights, keep, metrics
+    weights = jax.lax.stop_gradient(jnp.where(keep, jnp.minimum(ratios.raw, cap_f), 0.0))
+    return weights, keep, _tis_metrics(ratios, weights, maskf, maskb, in_bounds, lower, upper)
 
 
 def tis_weights(logp_old_dense: Array, logp_sampler: Array, mask: Array,
@@ -312,6 +332,33 @@ def _check_advantages(fn: str, advantages: Array, shape: tuple[int, int]) -> Arr
         raise ValueError(f"{fn}: advantages must have shape [B]={(shape[0],)} or [B, T]={shape}, "
                          f"got {advantages.shape}")
     return jnp.broadcast_to(jax.lax.stop_gradient(advantages), shape)
+
+
+def _check_clips(fn: str, clip_low: float, clip_high: float, dual_clip_c: Optional[float]) -> tuple[float, float]:
+    """(clip_low, clip_high) as floats; ValueError naming a clip range out of bounds."""
+    clip_low, clip_high = float(clip_low), float(clip_high)
+    if not (0.0 <= clip_low < 1.0) or clip_high < 0.0:
+        raise ValueError(f"{fn}: need 0 <= clip_low < 1 and clip_high >= 0, got "
+                         f"clip_low={clip_low}, clip_high={clip_high}")
+    if dual_clip_c is not None and not float(dual_clip_c) > 1.0:
+        raise ValueError(f"{fn}: dual_clip_c must be > 1 (or None to disable), got {dual_clip_c}")
+    return clip_low, clip_high
+
+
+def _clipped_pg(ratio: Array, adv: Array, maskf: Array, clip_low: float, clip_high: float,
+                dual_clip_c: Optional[float]) -> tuple[Array, Array, Array]:
+    """PPO-clip per-token loss of :func:`policy_loss` from ratio, adv [B, T]: (pg [B, T], clipfrac,
+    clipfrac_lower), the fractions 0-d over the valid tokens of ``maskf``."""
+    pg1 = -adv * ratio
+    pg2 = -adv * jnp.clip(ratio, 1.0 - clip_low, 1.0 + clip_high)
+    clip_pg1 = jnp.maximum(pg1, pg2)
+    clipfrac = _masked_mean((pg2 > pg1).astype(jnp.float32), maskf)
+    if dual_clip_c is None:
+        return clip_pg1, clipfrac, jnp.zeros((), jnp.float32)
+    pg3 = -adv * float(dual_clip_c)
+    clip_pg2 = jnp.minimum(pg3, clip_pg1)
+    clipfrac_lower = _masked_mean(((clip_pg1 > pg3) & (adv < 0)).astype(jnp.float32), maskf)
+    return jnp.where(adv < 0, clip_pg2, clip_pg1), clipfrac, clipfrac_lower
 
 
 def policy_loss(logp: Array, logp_old: Array, advantages: Array, mask: Array,
@@ -347,12 +394,7 @@ def policy_loss(logp: Array, logp_old: Array, advantages: Array, mask: Array,
     """
     fn = "policy_loss"
     _check_mode(fn, "agg", agg, LOSS_AGG_MODES)
-    clip_low, clip_high = float(clip_low), float(clip_high)
-    if not (0.0 <= clip_low < 1.0) or clip_high < 0.0:
-        raise ValueError(f"{fn}: need 0 <= clip_low < 1 and clip_high >= 0, got "
-                         f"clip_low={clip_low}, clip_high={clip_high}")
-    if dual_clip_c is not None and not float(dual_clip_c) > 1.0:
-        raise ValueError(f"{fn}: dual_clip_c must be > 1 (or None to disable), got {dual_clip_c}")
+    clip_low, clip_high = _check_clips(fn, clip_low, clip_high, dual_clip_c)
     logp = _check_2d(fn, "logp", logp)
     shape = logp.shape
     logp_old = _check_2d(fn, "logp_old", logp_old, shape)
@@ -361,19 +403,7 @@ def policy_loss(logp: Array, logp_old: Array, advantages: Array, mask: Array,
 
     neg_kl = jnp.where(maskb, logp - jax.lax.stop_gradient(logp_old), 0.0)
     neg_kl = jnp.clip(neg_kl, -SAFETY_BOUND, SAFETY_BOUND)
-    ratio = jnp.exp(neg_kl)
-    pg1 = -adv * ratio
-    pg2 = -adv * jnp.clip(ratio, 1.0 - clip_low, 1.0 + clip_high)
-    clip_pg1 = jnp.maximum(pg1, pg2)
-    clipfrac = _masked_mean((pg2 > pg1).astype(jnp.float32), maskf)
-    if dual_clip_c is not None:
-        pg3 = -adv * float(dual_clip_c)
-        clip_pg2 = jnp.minimum(pg3, clip_pg1)
-        clipfrac_lower = _masked_mean(((clip_pg1 > pg3) & (adv < 0)).astype(jnp.float32), maskf)
-        pg = jnp.where(adv < 0, clip_pg2, clip_pg1)
-    else:
-        clipfrac_lower = jnp.zeros((), jnp.float32)
-        pg = clip_pg1
+    pg, clipfrac, clipfrac_lower = _clipped_pg(jnp.exp(neg_kl), adv, maskf, clip_low, clip_high, dual_clip_c)
     if is_weights is not None:
         is_weights = _check_2d(fn, "is_weights", is_weights, shape)
         pg = pg * jax.lax.stop_gradient(is_weights)

@@ -22,6 +22,11 @@ fixed-batch sampler, so both engines draw the same tokens for the same request: 
 outputs are token-identical and sampled log-probs have the same semantics. The engine draws
 the Gumbel noise of those keys for a block of steps at once (:func:`.sampler.gumbel_noise`),
 the same values the sampler draws step by step.
+
+Layout: this module holds the device side (the pooled decode step, the jitted segment, prefill
+into pages) and the loop that joins the parts; :mod:`.slots` the host scheduling between
+segments (a value passed through the loop), :mod:`.engine_stats` the counters and the output
+rows. May import :mod:`sparrow_jax.models` and the rollout modules.
 """
 from __future__ import annotations
 
@@ -36,11 +41,14 @@ import numpy as np
 from sparrow_jax.models.config import Qwen3Config
 from sparrow_jax.models.forward import init_caches, prefill, unembedding
 from sparrow_jax.models.qwen3 import Params, bind
+from sparrow_jax.rollout.engine_stats import Tally, count_segment, engine_stats, rows_in_prompt_order
 from sparrow_jax.rollout.page_pool import (SCRATCH_PAGE, PageAllocator, PoolLayer, append_and_decode, copy_pages,
-                                           grow_pool, init_pool, pool_bytes, pool_size, store_prefill)
-from sparrow_jax.rollout.sampler import (Rollout, SamplingParams, checked_prompt_lens, draws_ahead, request_keys,
-                                        round_up, sample_logits, segment_noise)
+                                           grow_pool, init_pool, pool_size, reserve_pages, store_prefill)
+from sparrow_jax.rollout.sampler import (Rollout, SamplingParams, checked_prompt_lens, draws_ahead, record_draws,
+                                        request_keys, round_up, sample_logits, segment_noise)
 from sparrow_jax.rollout.schedule import SparsitySchedule, k_max_bucket
+from sparrow_jax.rollout.slots import (HostState, Pools, PromptPages, SegmentPlan, compact, free_slots, group_requests,
+                                      initial_state, live_slots, plan_segment, pow2, retire, seat)
 
 
 def pooled_decode_step(config: Qwen3Config, params: Params, tokens: jax.Array, positions: jax.Array,
@@ -121,12 +129,10 @@ def _decode_segment(state: _SegmentState, params: Params, unembed: Optional[jax.
             step_noise, noise = segment_noise(keys, s.gen, s.step, noise)
             tok, logp = sample_logits(logits, None, sampling, noise=step_noise)
         write = ~s.done
-        at = (request, jnp.minimum(s.gen, last))
-        out_tokens = s.out_tokens.at[at].set(jnp.where(write, tok, s.out_tokens[at]))
-        out_logprobs = s.out_logprobs.at[at].set(jnp.where(write, logp, s.out_logprobs[at]))
         nxt = s.pos + 1
-        stopped = jnp.any(tok[:, None] == stop_ids[None, :], axis=-1)
-        done = s.done | (write & (stopped | (nxt >= end_pos)))
+        at = (request, jnp.minimum(s.gen, last))
+        out_tokens, out_logprobs, done = record_draws(s.out_tokens, s.out_logprobs, at, tok, logp, s.done, stop_ids,
+                                                      nxt >= end_pos)
         return _SegmentState(s.step + 1, jnp.where(write, tok, s.tok), jnp.where(write, nxt, s.pos),
                              jnp.where(write, s.gen + 1, s.gen), done, pools, out_tokens, out_logprobs), noise
 
@@ -135,26 +141,136 @@ def _decode_segment(state: _SegmentState, params: Params, unembed: Optional[jax.
     return jax.lax.while_loop(cond, body, (state, noise))[0]
 
 
-def _pow2(n: int) -> int:
-    return 1 << max(0, int(n) - 1).bit_length()
-
-
-class _Slot(NamedTuple):
-    request: int
-    pages: list  # physical pages, logical order
-
-
-class _Group(NamedTuple):
-    shared: list  # physical pages of the prompt's full pages
-    template: Optional[int]  # its partial last page (copied to each row), or None
-    waiting: list  # requests of the group not yet admitted
-
-
 def _compiled(fns) -> int:
     return sum(f._cache_size() for f in fns)
 
 
 _JITTED = (_decode_segment, prefill, store_prefill, copy_pages, grow_pool)
+
+
+class _Run(NamedTuple):
+    """What one :func:`generate_continuous` call fixes before its loop."""
+
+    config: Qwen3Config
+    params: Params
+    unembed: Optional[jax.Array]  # row_major_unembedding
+    schedule: Optional[SparsitySchedule]
+    sampling: SamplingParams
+    impl: str
+    pad_id: int
+    prompts: Sequence[Sequence[int]]
+    prompt_lens: np.ndarray  # int32 [R]
+    end_pos: np.ndarray  # int32 [R] the last position each request may reach
+    keys: np.ndarray  # [R] request_keys
+    group_of: np.ndarray  # int32 [R] prompt group (slots.group_requests)
+    page: int  # page size
+    bucket: int  # prefill and buffer lengths are multiples of this
+    buf_len: int  # T of the output
+    segment_steps: int
+
+
+def _setup(config: Qwen3Config, params: Params, prompts: Sequence[Sequence[int]], key: jax.Array,
+           sampling: SamplingParams, schedule, impl: str, pad_id: int, max_total_len: Optional[int],
+           length_bucket: int, max_slots: int, segment_steps: int, max_new_per_request: Optional[Sequence[int]],
+           first_request: int) -> _Run:
+    """Check the arguments (ValueError naming the bad one) and fix the call's layout."""
+    if max_slots < 1 or segment_steps < 1:
+        raise ValueError(f"max_slots and segment_steps must be >= 1, got {max_slots} and {segment_steps}")
+    prompt_lens, cap = checked_prompt_lens(config, prompts, max_total_len)
+    num = len(prompts)
+    page = schedule.page_size if schedule is not None else 16
+    max_new = sampling.max_new_tokens
+    buf_len = round_up(min(int(prompt_lens.max()) + max_new, cap) + 1, max(length_bucket, page))
+    caps = np.full(num, max_new) if max_new_per_request is None else np.asarray(max_new_per_request)
+    if caps.shape != (num,) or caps.min() < 1 or caps.max() > max_new:
+        raise ValueError(f"max_new_per_request must hold {num} values in [1, {max_new}], got shape {caps.shape}")
+    end_pos = np.minimum(prompt_lens + caps - 1, cap - 1).astype(np.int32)
+    keys = np.asarray(request_keys(key, num, first_request))
+    return _Run(config, params, row_major_unembedding(config, params), schedule, sampling, impl, pad_id, prompts,
+                prompt_lens, end_pos, keys, group_requests(prompts), page, max(length_bucket, page), buf_len,
+                segment_steps)
+
+
+def _initial_state(run: _Run, batch: int) -> tuple[PageAllocator, _SegmentState]:
+    """The allocator and the device state (empty pools and outputs) for a first batch of ``batch`` slots.
+
+    First guess of the pool: the prompts of the first ``batch`` requests (each group once) and every
+    slot's pages for one segment; the pool grows on the pool_size grid when that is short."""
+    config, page, num, max_new = run.config, run.page, len(run.prompts), run.sampling.max_new_tokens
+    first_prompts = {tuple(int(t) for t in p) for p in run.prompts[:batch]}
+    allocator = PageAllocator(pool_size(1 + batch * (-(-run.segment_steps // page) + 1) + sum(
+        -(-len(p) // page) for p in first_prompts)))
+    pools = init_pool(config.num_hidden_layers, allocator.num_pages, config.num_key_value_heads, page,
+                      config.head_dim, config.compute_dtype, None if run.schedule is None else run.schedule.selector)
+    outputs = (num + 1, max_new)  # completions by request; the last row takes idle slots' writes
+    state = _SegmentState(jnp.zeros((), jnp.int32), None, None, None, None, pools,
+                          jnp.full(outputs, run.pad_id, jnp.int32), jnp.zeros(outputs, jnp.float32))
+    return allocator, state
+
+
+def _prefill_prompt(run: _Run, allocator: PageAllocator, pools: Pools,
+                    prompt: np.ndarray) -> tuple[Pools, PromptPages, float]:
+    """Prefill one prompt (int32 [P]) into fresh pages: (pools, its pages, seconds taken).
+
+    ``prompt[:-1]`` goes to the cache; the last token is the first decode input."""
+    start = time.perf_counter()
+    n = len(prompt) - 1
+    length = round_up(max(n, 1), run.bucket)
+    tokens = np.full((1, length), run.pad_id, np.int32)
+    tokens[0, :n] = prompt[:-1]
+    with_minmax = run.schedule is not None and run.schedule.selector == "quest"
+    caches = init_caches(run.config, 1, length, page_size=run.page, with_minmax=with_minmax)
+    caches = prefill(run.config, run.params, jnp.asarray(tokens), jnp.asarray([n], jnp.int32), caches)
+    full, partial = divmod(n, run.page)
+    pools = reserve_pages(allocator, pools, full + (partial > 0))
+    shared = allocator.alloc(full)
+    template = allocator.alloc(1)[0] if partial else None
+    dest = np.full(length // run.page, SCRATCH_PAGE, np.int32)
+    dest[:full] = shared
+    if template is not None:
+        dest[full] = template
+    pools = store_prefill(pools, caches, jnp.asarray(dest))
+    jax.block_until_ready(pools)
+    return pools, PromptPages(tuple(shared), template), time.perf_counter() - start
+
+
+def _admit(run: _Run, h: HostState, allocator: PageAllocator, pools: Pools) -> tuple[HostState, Pools, float]:
+    """Waiting requests into the free slots: a group is prefilled on first use and each row gets its own
+    copy of the partial prompt page. Returns (state, pools, prefill seconds)."""
+    src, dst, released, prefill_s = [], [], [], 0.0
+    for slot, r in free_slots(h):
+        group = int(run.group_of[r])
+        if group not in h.prompt_pages:
+            pools, pages, seconds = _prefill_prompt(run, allocator, pools, np.asarray(run.prompts[r], np.int32))
+            h, prefill_s = h._replace(prompt_pages={**h.prompt_pages, group: pages}), prefill_s + seconds
+        h, pools, copy, done_with = seat(h, allocator, pools, slot, r, group, run.prompts[r])
+        if copy is not None:
+            src.append(copy[0])
+            dst.append(copy[1])
+        released += done_with
+    if src:
+        pad = [SCRATCH_PAGE] * (len(h.slots) - len(src))
+        pools = copy_pages(pools, jnp.asarray(src + pad, jnp.int32), jnp.asarray(dst + pad, jnp.int32))
+    allocator.release(released)  # after the copies read the templates
+    return h, pools, prefill_s
+
+
+def _decode(run: _Run, h: HostState, state: _SegmentState, plan: SegmentPlan) -> tuple[HostState, _SegmentState]:
+    """One decode segment of the batch ``h`` under ``plan``; the rows' progress comes back to the host."""
+    batch, num = len(h.slots), len(run.prompts)
+    k_max = 0
+    if run.schedule is not None:
+        live = [s is not None for s in h.slots]
+        k_max = k_max_bucket(int(max(run.schedule.topk_at(plan.horizon[live]))))
+    row_keys = run.keys[np.where(plan.request < num, plan.request, 0)]
+    state = state._replace(step=jnp.zeros((), jnp.int32), tok=jnp.asarray(h.tok), pos=jnp.asarray(h.pos),
+                           gen=jnp.asarray(h.gen), done=jnp.asarray(h.done))
+    state = _decode_segment(state, run.params, run.unembed, jnp.asarray(plan.table), jnp.asarray(row_keys),
+                            jnp.asarray(plan.request), jnp.asarray(plan.row_end), jnp.int32(run.segment_steps),
+                            jnp.int32(plan.exit_after), run.schedule, config=run.config, k_max=k_max, impl=run.impl,
+                            sampling=run.sampling, ahead=draws_ahead(batch, run.config.vocab_size, run.segment_steps))
+    tok, pos, gen, done = (np.array(x) for x in (state.tok, state.pos, state.gen, state.done))
+    return h._replace(tok=tok, pos=pos, gen=gen, done=done), state
 
 
 def generate_continuous(config: Qwen3Config, params: Params, prompts: Sequence[Sequence[int]], key: jax.Array,
@@ -176,189 +292,25 @@ def generate_continuous(config: Qwen3Config, params: Params, prompts: Sequence[S
     ``peak_live_cache_bytes`` (pages in use at the peak), ``segments``
     and ``slot_steps`` (decode steps x batch size actually run).
     """
-    if max_slots < 1 or segment_steps < 1:
-        raise ValueError(f"max_slots and segment_steps must be >= 1, got {max_slots} and {segment_steps}")
-    prompt_lens, cap = checked_prompt_lens(config, prompts, max_total_len)
-    num = len(prompts)
-    page = schedule.page_size if schedule is not None else 16
-    max_new = sampling.max_new_tokens
-    buf_len = round_up(min(int(prompt_lens.max()) + max_new, cap) + 1, max(length_bucket, page))
-    width = buf_len // page
-    caps = np.full(num, max_new) if max_new_per_request is None else np.asarray(max_new_per_request)
-    if caps.shape != (num,) or caps.min() < 1 or caps.max() > max_new:
-        raise ValueError(f"max_new_per_request must hold {num} values in [1, {max_new}], got shape {caps.shape}")
-    end_pos = np.minimum(prompt_lens + caps - 1, cap - 1).astype(np.int32)
-    keys = np.asarray(request_keys(key, num, first_request))
-    unembed = row_major_unembedding(config, params)
-    with_minmax = schedule is not None and schedule.selector == "quest"
-
-    groups: dict[tuple, _Group] = {}
-    group_of = []
-    for r, p in enumerate(prompts):
-        group = groups.setdefault(tuple(int(t) for t in p), _Group([], None, []))
-        group.waiting.append(r)
-        group_of.append(group)
-    prefilled: dict[int, _Group] = {}  # id(group) -> group with its pages
-
-    batch = _pow2(min(num, max_slots))
-    # First guess: the prompts of the first batch of requests (each group once) and every
-    # slot's pages for one segment; the pool grows on the pool_size grid when that is short.
-    first_prompts = {tuple(int(t) for t in p) for p in prompts[:batch]}
-    allocator = PageAllocator(pool_size(1 + batch * (-(-segment_steps // page) + 1) + sum(
-        -(-len(p) // page) for p in first_prompts)))
-    pools = init_pool(config.num_hidden_layers, allocator.num_pages, config.num_key_value_heads, page,
-                      config.head_dim, config.compute_dtype, None if schedule is None else schedule.selector)
-    state = _SegmentState(jnp.zeros((), jnp.int32), None, None, None, None, pools,
-                          jnp.full((num + 1, max_new), pad_id, jnp.int32), jnp.zeros((num + 1, max_new), jnp.float32))
-    slots: list[Optional[_Slot]] = [None] * batch
-    tok = np.zeros(batch, np.int32)
-    pos = np.zeros(batch, np.int32)
-    gen = np.zeros(batch, np.int32)
-    done = np.ones(batch, bool)
-    generated = np.zeros(num, np.int32)
-    next_request = 0
+    run = _setup(config, params, prompts, key, sampling, schedule, impl, pad_id, max_total_len, length_bucket,
+                 max_slots, segment_steps, max_new_per_request, first_request)
+    batch = pow2(min(len(prompts), max_slots))
+    allocator, state = _initial_state(run, batch)
+    h, tally = initial_state(batch, run.group_of), Tally()
     compiles_before = _compiled(_JITTED)
-    prefill_s, segments, slot_steps, steps, grows = 0.0, 0, 0, 0, 0
     t0 = time.perf_counter()
-
-    def reserve(n: int):
-        """Grow the pool (doubling) until ``n`` more pages fit."""
-        nonlocal state, grows
-        if n > len(allocator.free):
-            size = pool_size(max(allocator.in_use + 1 + n, allocator.num_pages + 1))
-            state = state._replace(pools=grow_pool(state.pools, num_pages=size))
-            allocator.grow(size)
-            grows += 1
-
-    def prefill_group(group: _Group, prompt: np.ndarray) -> _Group:
-        nonlocal state, prefill_s
-        start = time.perf_counter()
-        n = len(prompt) - 1  # prompt[:-1] goes to the cache; the last token is the first decode input
-        length = round_up(max(n, 1), max(length_bucket, page))
-        tokens = np.full((1, length), pad_id, np.int32)
-        tokens[0, :n] = prompt[:-1]
-        caches = init_caches(config, 1, length, page_size=page, with_minmax=with_minmax)
-        caches = prefill(config, params, jnp.asarray(tokens), jnp.asarray([n], jnp.int32), caches)
-        full, partial = divmod(n, page)
-        reserve(full + (partial > 0))
-        shared = allocator.alloc(full)
-        template = allocator.alloc(1)[0] if partial else None
-        dest = np.full(length // page, SCRATCH_PAGE, np.int32)
-        dest[:full] = shared
-        if template is not None:
-            dest[full] = template
-        state = state._replace(pools=store_prefill(state.pools, caches, jnp.asarray(dest)))
-        jax.block_until_ready(state.pools)
-        prefill_s += time.perf_counter() - start
-        return group._replace(shared=shared, template=template)
-
     while True:
-        # Finished rows leave (their pages go back); then compact and shrink once nothing waits.
-        for i, slot in enumerate(slots):
-            if slot is not None and done[i]:
-                generated[slot.request] = gen[i]
-                allocator.release(slot.pages)
-                slots[i] = None
-                pos[i] = tok[i] = 0  # an idle slot attends only the scratch page at position 0
-        live = [i for i, s in enumerate(slots) if s is not None]
-        waiting = num - next_request
-        if not live and not waiting:
+        h = retire(h, allocator)
+        if not live_slots(h) and h.next_request >= len(prompts):
             break
-        new_batch = max(batch if waiting else 1, _pow2(len(live)))
-        if new_batch < batch:
-            order = live + [i for i in range(batch) if slots[i] is None]
-            slots = [slots[i] for i in order][:new_batch]
-            tok, pos, gen, done = (x[order][:new_batch] for x in (tok, pos, gen, done))
-            batch = new_batch
-
-        # Waiting requests into free slots (group prefill on first use, partial page copied).
-        src, dst, released = [], [], []
-        for i in range(batch):
-            if slots[i] is not None or next_request >= num:
-                continue
-            r = next_request
-            next_request += 1
-            group = group_of[r]
-            if id(group) not in prefilled:
-                prefilled[id(group)] = prefill_group(group, np.asarray(prompts[r], np.int32))
-            group = prefilled[id(group)]
-            allocator.share(group.shared)
-            pages = list(group.shared)
-            if group.template is not None:
-                reserve(1)
-                pages += allocator.alloc(1)
-                src.append(group.template)
-                dst.append(pages[-1])
-            group.waiting.remove(r)
-            if not group.waiting:  # every row holds its own references now (released after the copies)
-                released += group.shared + ([group.template] if group.template is not None else [])
-            slots[i] = _Slot(r, pages)
-            tok[i], pos[i], gen[i], done[i] = prompts[r][-1], prompt_lens[r] - 1, 0, False
-        if src:
-            pad = batch - len(src)
-            state = state._replace(pools=copy_pages(state.pools, jnp.asarray(src + [SCRATCH_PAGE] * pad, jnp.int32),
-                                                    jnp.asarray(dst + [SCRATCH_PAGE] * pad, jnp.int32)))
-        allocator.release(released)
-
-        # Pages for the next segment's positions; page table, request ids, ends, keys.
-        table = np.full((batch, width), SCRATCH_PAGE, np.int32)
-        request = np.full(batch, num, np.int32)
-        row_end = np.zeros(batch, np.int32)
-        horizon = np.zeros(batch, np.int32)
-        for i, slot in enumerate(slots):
-            if slot is None:
-                continue
-            horizon[i] = min(int(pos[i]) + segment_steps - 1, int(end_pos[slot.request]))
-            need = horizon[i] // page + 1 - len(slot.pages)
-            if need > 0:
-                reserve(need)
-                slot.pages.extend(allocator.alloc(need))
-            table[i, :len(slot.pages)] = slot.pages
-            request[i], row_end[i] = slot.request, end_pos[slot.request]
-        k_max = 0
-        if schedule is not None:
-            k_max = k_max_bucket(int(max(schedule.topk_at(horizon[[s is not None for s in slots]]))))
-        live_now = sum(s is not None for s in slots)
-        if num - next_request:
-            exit_after = max(1, batch // 8)  # refill soon: free slots idle until then
-        elif batch > 1:
-            exit_after = max(1, live_now - batch // 2)  # shrink to the next bucket
-        else:
-            exit_after = batch + 1
-        row_keys = keys[np.where(request < num, request, 0)]
-        state = state._replace(step=jnp.zeros((), jnp.int32), tok=jnp.asarray(tok), pos=jnp.asarray(pos),
-                               gen=jnp.asarray(gen), done=jnp.asarray(done))
-        state = _decode_segment(state, params, unembed, jnp.asarray(table), jnp.asarray(row_keys), jnp.asarray(request),
-                                jnp.asarray(row_end), jnp.int32(segment_steps), jnp.int32(exit_after), schedule,
-                                config=config, k_max=k_max, impl=impl, sampling=sampling,
-                                ahead=draws_ahead(batch, config.vocab_size, segment_steps))
-        tok, pos, gen, done = (np.array(x) for x in (state.tok, state.pos, state.gen, state.done))
-        seg_steps = int(state.step)
-        segments += 1
-        steps += seg_steps
-        slot_steps += seg_steps * batch
-        if progress:
-            elapsed = time.perf_counter() - t0
-            print(f"[engine] segment {segments} batch {batch} live {live_now} waiting {num - next_request} "
-                  f"pages {allocator.in_use}/{allocator.num_pages} {int(generated.sum() + gen.sum())} tokens "
-                  f"in {elapsed:.1f}s", flush=True)
-
-    out_tokens, out_logprobs = np.asarray(state.out_tokens)[:num], np.asarray(state.out_logprobs)[:num]
-    total_s = time.perf_counter() - t0
-    tokens = np.full((num, buf_len), pad_id, np.int32)
-    logprobs = np.zeros((num, buf_len), np.float32)
-    for r, p in enumerate(prompts):
-        n, g = prompt_lens[r], generated[r]
-        tokens[r, :n] = p
-        tokens[r, n:n + g] = out_tokens[r, :g]
-        logprobs[r, n:n + g] = out_logprobs[r, :g]
-    lengths = (prompt_lens + generated).astype(np.int32)
-    positions = np.arange(buf_len)[None]
-    mask = (positions >= prompt_lens[:, None]) & (positions < lengths[:, None])
-    finished = np.isin(tokens[np.arange(num), lengths - 1], sampling.stop_ids) & (generated > 0)
-    stats = dict(prefill_s=prefill_s, decode_s=total_s - prefill_s, decode_steps=steps,
-                 decode_tokens=int(generated.sum()), compiles=_compiled(_JITTED) - compiles_before,
-                 segments=segments, slot_steps=slot_steps, peak_pages=allocator.peak, pool_grows=grows,
-                 pool_pages=allocator.num_pages, peak_cache_bytes=pool_bytes(state.pools),
-                 peak_live_cache_bytes=pool_bytes(state.pools, allocator.peak + 1))
-    return Rollout(tokens, prompt_lens, lengths, mask, logprobs, finished, stats)
+        h, pools, prefill_s = _admit(run, compact(h), allocator, state.pools)
+        h, pools, plan = plan_segment(h, allocator, pools, run.end_pos, run.buf_len // run.page, run.page,
+                                      segment_steps)
+        h, state = _decode(run, h, state._replace(pools=pools), plan)
+        tally = count_segment(tally._replace(prefill_s=tally.prefill_s + prefill_s), h, int(state.step), allocator,
+                              t0, progress)
+    out_tokens, out_logprobs = (np.asarray(x)[:len(prompts)] for x in (state.out_tokens, state.out_logprobs))
+    stats = engine_stats(tally, allocator, state.pools, time.perf_counter() - t0, int(h.generated.sum()),
+                         _compiled(_JITTED) - compiles_before)
+    return rows_in_prompt_order(prompts, run.prompt_lens, out_tokens, out_logprobs, h.generated, run.buf_len, pad_id,
+                                sampling.stop_ids, stats)

@@ -9,7 +9,7 @@ that matters. Full prompt pages are shared by the rows sampling the same prompt 
 the page a row appends to is always its own.
 
 Host side, :class:`PageAllocator` hands out physical pages (free list + refcounts) and
-records the peak number in use.
+records the peak number in use; :func:`reserve_pages` grows it and the device pools together.
 """
 from __future__ import annotations
 
@@ -172,10 +172,10 @@ def append_and_decode(q: jax.Array, k: jax.Array, v: jax.Array, pool: PoolLayer,
 
 
 class PageAllocator:
-    """Physical pages of a pool: a free list, refcounts, and the peak number in use.
+    """Physical pages of a pool: a free list, refcounts, the peak number in use and the number of grows.
 
     Page 0 (scratch) is never handed out. ``grow`` adds pages at the end (the device pool is
-    padded to match by the caller).
+    padded to match by the caller, e.g. :func:`reserve_pages`).
     """
 
     def __init__(self, num_pages: int):
@@ -185,6 +185,7 @@ class PageAllocator:
         self.refs = np.zeros(num_pages, np.int32)
         self.free: list[int] = list(range(num_pages - 1, SCRATCH_PAGE, -1))  # pop() hands out low pages first
         self.peak = 0
+        self.grows = 0
 
     @property
     def in_use(self) -> int:
@@ -194,6 +195,7 @@ class PageAllocator:
         self.free = list(range(num_pages - 1, self.num_pages - 1, -1)) + self.free
         self.refs = np.concatenate([self.refs, np.zeros(num_pages - self.num_pages, np.int32)])
         self.num_pages = num_pages
+        self.grows += 1
 
     def alloc(self, n: int) -> list[int]:
         """``n`` fresh pages (refcount 1). Raises MemoryError if fewer are free (the caller grows first)."""
@@ -215,3 +217,13 @@ class PageAllocator:
             self.refs[p] -= 1
             if self.refs[p] == 0:
                 self.free.append(p)
+
+
+def reserve_pages(allocator: PageAllocator, pools: tuple[PoolLayer, ...], n: int) -> tuple[PoolLayer, ...]:
+    """Room for ``n`` more pages: when fewer are free, the allocator and the device pools grow together
+    to the next :func:`pool_size` (at least one page more). Returns the pools (new arrays if grown)."""
+    if n > len(allocator.free):
+        size = pool_size(max(allocator.in_use + 1 + n, allocator.num_pages + 1))
+        pools = grow_pool(pools, num_pages=size)
+        allocator.grow(size)
+    return pools

@@ -182,6 +182,19 @@ def sample_logits(logits: jax.Array, key: Optional[jax.Array], sampling: Samplin
     return tok.astype(jnp.int32), jnp.take_along_axis(logp, tok[:, None], -1)[:, 0]
 
 
+def record_draws(out_tokens: jax.Array, out_logprobs: jax.Array, at: tuple, tok: jax.Array, logp: jax.Array,
+                 done: jax.Array, stop_ids: jax.Array, ended: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """A decode step's bookkeeping, shared by the fixed sampler and the rollout engine: write the draws
+    (tok int32 [B], logp float32 [B]) at index ``at`` of the output buffers for the rows not ``done``
+    (bool [B]) and mark done the rows that drew one of ``stop_ids`` or have ``ended`` (bool [B]: a
+    length cap reached). Returns (out_tokens, out_logprobs, done)."""
+    write = ~done
+    out_tokens = out_tokens.at[at].set(jnp.where(write, tok, out_tokens[at]))
+    out_logprobs = out_logprobs.at[at].set(jnp.where(write, logp, out_logprobs[at]))
+    stopped = jnp.any(tok[:, None] == stop_ids[None, :], axis=-1)
+    return out_tokens, out_logprobs, done | (write & (stopped | ended))
+
+
 @functools.partial(jax.jit, static_argnames=("config", "k_max", "impl", "sampling"),
                    donate_argnames=("state",))
 def _decode_segment(state: _LoopState, params: Params, step_limit: jax.Array, max_pos: jax.Array,
@@ -207,10 +220,8 @@ def _decode_segment(state: _LoopState, params: Params, step_limit: jax.Array, ma
         tok, logp = sample_logits(logits, sub, sampling)
         nxt = s.pos + 1
         write = ~s.done
-        tokens = s.tokens.at[rows, nxt].set(jnp.where(write, tok, s.tokens[rows, nxt]))
-        logprobs = s.logprobs.at[rows, nxt].set(jnp.where(write, logp, s.logprobs[rows, nxt]))
-        stopped = jnp.any(tok[:, None] == stop_ids[None, :], axis=-1)
-        done = s.done | (write & (stopped | (nxt >= end_pos) | (nxt >= max_pos)))
+        tokens, logprobs, done = record_draws(s.tokens, s.logprobs, (rows, nxt), tok, logp, s.done, stop_ids,
+                                              (nxt >= end_pos) | (nxt >= max_pos))
         pos = jnp.where(write, nxt, s.pos)
         return _LoopState(s.step + 1, tokens, logprobs, pos, done, s.key, caches)
 
@@ -238,6 +249,49 @@ def checked_prompt_lens(config: Qwen3Config, prompts: Sequence[Sequence[int]],
     return prompt_lens, cap
 
 
+def completion_mask(prompt_lens: np.ndarray, lengths: np.ndarray, buf_len: int) -> np.ndarray:
+    """bool [B, T]: True at the sampled positions ``prompt_lens[b] <= t < lengths[b]`` of rows of ``buf_len``."""
+    positions = np.arange(buf_len)[None]
+    return (positions >= prompt_lens[:, None]) & (positions < lengths[:, None])
+
+
+def _prefill_rows(config: Qwen3Config, params: Params, tokens: np.ndarray, prompt_lens: np.ndarray,
+                  schedule: Optional[SparsitySchedule], page: int, prefill_len: int) -> tuple:
+    """Caches of rows of ``tokens`` int32 [B, T] holding ``prompt[:-1]`` (the first ``prefill_len`` columns run).
+
+    Under a mesh the prefill runs per device on its rows (and KV heads), and the caches come
+    out split as the sparse kernels read them."""
+    caches = init_caches(config, tokens.shape[0], tokens.shape[1], page_size=page,
+                         with_minmax=schedule is not None and schedule.selector == "quest")
+    caches = place_kv_caches(caches)
+    caches = prefill(config, params, *place_rows((tokens[:, :prefill_len], prompt_lens - 1)), caches)
+    return place_kv_caches(caches)
+
+
+def _decode_rows(state: _LoopState, params: Params, segments: Sequence, max_pos: int, end_pos: jax.Array,
+                 schedule: Optional[SparsitySchedule], config: Qwen3Config, impl: str, sampling: SamplingParams,
+                 progress_every: Optional[int]) -> _LoopState:
+    """Run the decode ``segments`` ((first step, steps, k_max) each) until every row is done; with
+    ``progress_every``, in chunks of that many steps with a progress line after each."""
+    batch, t1 = state.tokens.shape[0], time.perf_counter()
+    for first, count, k_max in segments:
+        seg_end = first + count
+        while True:
+            limit = min(seg_end, int(state.step) + (progress_every or count))
+            state = _decode_segment(state, params, jnp.int32(limit), jnp.int32(max_pos), end_pos, schedule,
+                                    config=config, k_max=int(k_max), impl=impl, sampling=sampling)
+            step = int(state.step)
+            if progress_every:
+                elapsed = time.perf_counter() - t1
+                print(f"[generate] step {step}/{sampling.max_new_tokens} len {int(jnp.max(state.pos)) + 1} "
+                      f"{batch * step / max(elapsed, 1e-9):.1f} tok/s", flush=True)
+            if step >= seg_end or bool(jnp.all(state.done)):
+                break
+        if bool(jnp.all(state.done)):
+            break
+    return state
+
+
 def generate(config: Qwen3Config, params: Params, prompts: Sequence[Sequence[int]], key: jax.Array,
              sampling: SamplingParams, schedule=None, impl: str = "auto", pad_id: int = 0,
              max_total_len: Optional[int] = None, length_bucket: int = 128,
@@ -257,21 +311,16 @@ def generate(config: Qwen3Config, params: Params, prompts: Sequence[Sequence[int
     prompt_lens, cap = checked_prompt_lens(config, prompts, max_total_len)
     batch = len(prompts)
     page = schedule.page_size if schedule is not None else 16
+    bucket = max(length_bucket, page)
     total = min(int(prompt_lens.max()) + sampling.max_new_tokens, cap)
-    buf_len = round_up(total + 1, max(length_bucket, page))  # +1: a spare slot past the last write
+    buf_len = round_up(total + 1, bucket)  # +1: a spare slot past the last write
     tokens = np.full((batch, buf_len), pad_id, np.int32)
     for b, p in enumerate(prompts):
         tokens[b, :len(p)] = p
-    prefill_len = round_up(int(prompt_lens.max()), max(length_bucket, page))
 
     t0 = time.perf_counter()
-    caches = init_caches(config, batch, buf_len, page_size=page,
-                         with_minmax=schedule is not None and schedule.selector == "quest")
-    # Under a mesh the prefill runs per device on its rows (and KV heads), and the caches come
-    # out split as the sparse kernels read them.
-    caches = place_kv_caches(caches)
-    caches = prefill(config, params, *place_rows((tokens[:, :prefill_len], prompt_lens - 1)), caches)
-    caches = place_kv_caches(caches)
+    prefill_len = round_up(int(prompt_lens.max()), bucket)
+    caches = _prefill_rows(config, params, tokens, prompt_lens, schedule, page, prefill_len)
     jax.block_until_ready(caches)
     prefill_s = time.perf_counter() - t0
 
@@ -286,31 +335,16 @@ def generate(config: Qwen3Config, params: Params, prompts: Sequence[Sequence[int
         segments = schedule.decode_segments(start, sampling.max_new_tokens)
     compiles_before = _decode_segment._cache_size()
     t1 = time.perf_counter()
-    for first, count, k_max in segments:
-        seg_end = first + count
-        while True:
-            limit = min(seg_end, int(state.step) + (progress_every if progress else count))
-            state = _decode_segment(state, params, jnp.int32(limit), jnp.int32(cap - 1), end_pos, schedule,
-                                    config=config, k_max=int(k_max), impl=impl, sampling=sampling)
-            step = int(state.step)
-            if progress:
-                elapsed = time.perf_counter() - t1
-                print(f"[generate] step {step}/{sampling.max_new_tokens} len {int(jnp.max(state.pos)) + 1} "
-                      f"{batch * step / max(elapsed, 1e-9):.1f} tok/s", flush=True)
-            if step >= seg_end or bool(jnp.all(state.done)):
-                break
-        if bool(jnp.all(state.done)):
-            break
+    state = _decode_rows(state, params, segments, cap - 1, end_pos, schedule, config, impl, sampling,
+                         progress_every if progress else None)
     jax.block_until_ready(state.tokens)
     decode_s = time.perf_counter() - t1
 
     out_tokens = host_array(state.tokens)  # process-spanning arrays: an explicit gather
     lengths = host_array(state.pos) + 1
-    positions = np.arange(buf_len)[None]
-    mask = (positions >= prompt_lens[:, None]) & (positions < lengths[:, None])
-    out_tokens = np.where(positions < lengths[:, None], out_tokens, pad_id).astype(np.int32)
-    last = out_tokens[np.arange(batch), lengths - 1]
-    finished = np.isin(last, sampling.stop_ids) & (lengths > prompt_lens)
+    mask = completion_mask(prompt_lens, lengths, buf_len)
+    out_tokens = np.where(np.arange(buf_len)[None] < lengths[:, None], out_tokens, pad_id).astype(np.int32)
+    finished = np.isin(out_tokens[np.arange(batch), lengths - 1], sampling.stop_ids) & (lengths > prompt_lens)
     stats = dict(prefill_s=prefill_s, decode_s=decode_s, decode_steps=int(state.step),
                  decode_tokens=int(mask.sum()), compiles=_decode_segment._cache_size() - compiles_before)
     return Rollout(out_tokens, prompt_lens, lengths.astype(np.int32), mask,

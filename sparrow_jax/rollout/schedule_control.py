@@ -294,6 +294,24 @@ def controller_topk(settings: ControllerSettings, state: ControllerState) -> jax
     return jnp.asarray(settings.grid, jnp.int32)[state.level]
 
 
+def _noise_update(state: ControllerState, rho: jax.Array, seen: jax.Array, n: jax.Array,
+                  x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """Noise level from the one-step residual of this step's p5 ``x`` over ``n`` tokens (bins ``seen``
+    with a previous estimate at this budget): (noise, noise_weight [bins], pool_noise, pool_weight [])."""
+    has_prev = seen & (state.weight > 0)
+    prev_var = state.weight_sq / jnp.maximum(state.weight, 1e-30) ** 2  # Var(m_{t-1}) / sigma^2
+    resid_sigma2 = (x - state.mean) ** 2 / (1.0 / jnp.maximum(n, 1.0) + prev_var)
+    noise_weight = jnp.where(has_prev, rho * state.noise_weight + 1.0, state.noise_weight)
+    noise = jnp.where(has_prev, (rho * state.noise_weight * state.noise + resid_sigma2)
+                      / jnp.maximum(noise_weight, 1e-30), state.noise)
+    fresh = jnp.sum(has_prev.astype(jnp.float32))  # this step's residuals, every bin's
+    pool_weight = rho * state.pool_weight + fresh
+    pool_noise = jnp.where(fresh > 0, (rho * state.pool_weight * state.pool_noise
+                                       + jnp.sum(jnp.where(has_prev, resid_sigma2, 0.0)))
+                           / jnp.maximum(pool_weight, 1e-30), state.pool_noise)
+    return noise, noise_weight, pool_noise, pool_weight
+
+
 def controller_step(settings: ControllerSettings, state: ControllerState, p5: jax.Array,
                     counts: jax.Array, rejected: jax.Array | None = None) -> tuple[ControllerState, jax.Array]:
     """One control update from this step's per-bin tail statistic (see the module docstring).
@@ -316,17 +334,7 @@ def controller_step(settings: ControllerSettings, state: ControllerState, p5: ja
     x = jnp.where(seen, x, 0.0)
 
     # Noise level from the one-step residual (needs a previous estimate at this budget).
-    has_prev = seen & (state.weight > 0)
-    prev_var = state.weight_sq / jnp.maximum(state.weight, 1e-30) ** 2  # Var(m_{t-1}) / sigma^2
-    resid_sigma2 = (x - state.mean) ** 2 / (1.0 / jnp.maximum(n, 1.0) + prev_var)
-    noise_weight = jnp.where(has_prev, rho * state.noise_weight + 1.0, state.noise_weight)
-    noise = jnp.where(has_prev, (rho * state.noise_weight * state.noise + resid_sigma2)
-                      / jnp.maximum(noise_weight, 1e-30), state.noise)
-    fresh = jnp.sum(has_prev.astype(jnp.float32))  # this step's residuals, every bin's
-    pool_weight = rho * state.pool_weight + fresh
-    pool_noise = jnp.where(fresh > 0, (rho * state.pool_weight * state.pool_noise
-                                       + jnp.sum(jnp.where(has_prev, resid_sigma2, 0.0)))
-                           / jnp.maximum(pool_weight, 1e-30), state.pool_noise)
+    noise, noise_weight, pool_noise, pool_weight = _noise_update(state, rho, seen, n, x)
 
     # Count-weighted exponential average of p5; evidence ages every step, seen or not.
     decayed = rho * state.weight
