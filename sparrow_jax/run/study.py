@@ -15,7 +15,7 @@ import os
 import numpy as np
 
 from sparrow_jax.io import atomic_write_json
-from sparrow_jax.io.metrics import read_histograms, read_metrics
+from sparrow_jax.io.metrics import bin_series, read_histograms, read_metrics
 from sparrow_jax.io.plots import plot_panels
 from sparrow_jax.rl.trainer import train
 from sparrow_jax.run.calibration import calibrate_run
@@ -44,18 +44,12 @@ def _arm_spec(spec: RunSpec, arm: str) -> RunSpec:
                                study=None)
 
 
-def _bin_series(history, prefix: str) -> dict[int, list]:
-    """``{bin_start: [value per step (nan where absent)]}`` of the metrics ``<prefix><bin_start>``."""
-    starts = sorted({int(k[len(prefix):]) for h in history for k in h if k.startswith(prefix)})
-    return {b: [h.get(f"{prefix}{b}", np.nan) for h in history] for b in starts}
-
-
 def p5_hold(history, threshold: float, min_tokens: float) -> dict:
     """When every bin with >= ``min_tokens`` tokens first has p5 >= ``threshold`` (``reached_step``,
     None if never), and the share of (step, bin) cells with that many tokens from then on that
     keep it (``held_fraction``, over ``cells`` cells)."""
-    p5 = _bin_series(history, "mismatch/alpha_p5/bin_")
-    count = _bin_series(history, "mismatch/count/bin_")
+    p5 = bin_series(history, "mismatch/alpha_p5")
+    count = bin_series(history, "mismatch/count")
     cells = lambda i: [p5[b][i] for b in p5 if b in count and count[b][i] >= min_tokens]  # p5 of full bins
     reached = next((i for i in range(len(history)) if cells(i) and min(cells(i)) >= threshold), None)
     if reached is None:
@@ -96,7 +90,7 @@ def arm_row(spec: RunSpec, arm: str, records: list[dict], histograms: list, wind
     if costs:
         row["predicted_cost_end"], row["predicted_cost_mean"] = float(costs[-1]), float(np.mean(costs))
     if arm in _ONLINE_START and rows:
-        row["topk_end"] = {str(b): int(v[-1]) for b, v in _bin_series(rows, "schedule/topk/bin_").items()}
+        row["topk_end"] = {str(b): int(v[-1]) for b, v in bin_series(rows, "schedule/topk").items()}
         row["p5_hold"] = p5_hold(rows, spec.schedule.online.tau - 0.02, spec.schedule.online.min_tokens)
     return row
 
@@ -116,12 +110,12 @@ def plot_study(arms: dict[str, list], path: str) -> None:
     for a, hist in arms.items():
         if a == "dense":
             continue
-        counts = _bin_series(hist, "mismatch/count/bin_")
+        counts = bin_series(hist, "mismatch/count")
         used = [b for b, c in counts.items() if np.nansum(c) > 0]
-        p5 = _bin_series(hist, "mismatch/alpha_p5/bin_")
+        p5 = bin_series(hist, "mismatch/alpha_p5")
         panels.append((f"p5 per bin: {a}", "alpha p5", {f"bin {b}": (steps[a], p5[b]) for b in used if b in p5}))
         if a in _ONLINE_START:
-            topk = _bin_series(hist, "schedule/topk/bin_")
+            topk = bin_series(hist, "schedule/topk")
             panels.append((f"top-k per bin: {a}", "pages", {f"bin {b}": (steps[a], topk[b]) for b in used
                                                              if b in topk}))
     plot_panels([p for p in panels if p[2]], path, columns=4)  # an arm without binned tokens has no panel
