@@ -91,7 +91,7 @@ def arm_row(spec: RunSpec, arm: str, records: list[dict], histograms: list, wind
         row["predicted_cost_end"], row["predicted_cost_mean"] = float(costs[-1]), float(np.mean(costs))
     if arm in _ONLINE_START and rows:
         row["topk_end"] = {str(b): int(v[-1]) for b, v in bin_series(rows, "schedule/topk").items()}
-        row["p5_hold"] = p5_hold(rows, spec.schedule.online.tau - 0.02, spec.schedule.online.min_tokens)
+        row["p5_hold"] = p5_hold(rows, spec.calibration.tau - 0.02, spec.schedule.online.min_tokens)
     return row
 
 
