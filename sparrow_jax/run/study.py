@@ -1,22 +1,30 @@
-"""The study: the same seeds and steps for every arm of ``study.arms`` (dense rollouts, the
-calibrated schedule, an aggressive fixed budget, the online controller started dense, aggressive
-or calibrated with DistillSparse), each in ``<workdir>/<arm>``, and a table of their figures.
+"""Arms: runs trained beside the main one with the same seeds and steps, each in its own workdir
+(:func:`run_arm`), whose figures are then read from their logs.
 
-An arm is finished when ``<workdir>/<arm>/report.json`` holds this many steps: a study rerun
-skips finished arms and resumes the first unfinished one from its checkpoints. Every figure of
-the table is rebuilt from the arms' logs (:mod:`sparrow_jax.run.report`).
+The study: every arm of ``study.arms`` (dense rollouts, the calibrated schedule, an aggressive
+fixed budget, the online controller started dense, aggressive or calibrated with DistillSparse),
+each in ``<workdir>/<arm>``, and a table of their figures. A DistillSparse run with
+``distill.compare_without`` has one arm, the same RL without the LoRA in
+``<workdir>/without_distill`` (:func:`without_lora_spec`), which the pipeline trains before its
+report reads it.
+
+An arm is finished when ``<workdir>/<arm>/report.json`` holds this many steps: a rerun skips
+finished arms and resumes the first unfinished one from its checkpoints. Every figure of the
+table is rebuilt from the arms' logs (:mod:`sparrow_jax.run.report`).
 """
 from __future__ import annotations
 
 import dataclasses
 import json
 import os
+from typing import Callable
 
 import numpy as np
 
 from sparrow_jax.io import atomic_write_json
 from sparrow_jax.io.metrics import bin_series, read_histograms, read_metrics
 from sparrow_jax.io.plots import plot_panels
+from sparrow_jax.rl.context import RunContext
 from sparrow_jax.rl.trainer import train
 from sparrow_jax.run.calibration import calibrate_run
 from sparrow_jax.run.context import build_run_context, build_schedule
@@ -26,6 +34,7 @@ from sparrow_jax.run.specs import RunSpec
 from sparrow_jax.run.workdir import REPORT_FILE, finished_report
 
 _ONLINE_START = {"online_dense": "dense", "online_aggressive": "fixed", "online_distill": "calibrated"}
+WITHOUT_LORA = "without_distill"  # the DistillSparse run's comparison arm
 
 
 def _arm_spec(spec: RunSpec, arm: str) -> RunSpec:
@@ -42,6 +51,28 @@ def _arm_spec(spec: RunSpec, arm: str) -> RunSpec:
                                        topk=spec.study.aggressive_topk)
     return dataclasses.replace(spec, workdir=os.path.join(spec.workdir, arm), schedule=schedule, distill=distill,
                                study=None)
+
+
+def without_lora_spec(spec: RunSpec) -> RunSpec:
+    """The comparison arm of a DistillSparse run: the same RL without the LoRA in ``<workdir>/without_distill``."""
+    return dataclasses.replace(spec, workdir=os.path.join(spec.workdir, WITHOUT_LORA),
+                               distill=dataclasses.replace(spec.distill, enabled=False))
+
+
+def run_arm(arm_spec: RunSpec, build_ctx: Callable[[], RunContext], name: str) -> dict:
+    """Train one arm unless it has finished (an interrupted arm resumes from its checkpoints, inside
+    ``train``); ``build_ctx`` is called only to train. Returns the arm's ``report.json``:
+    ``{"steps", "train_prompts"}``."""
+    done = finished_report(arm_spec)
+    if done is not None:
+        print(f"[arm] {name}: finished ({arm_spec.workdir}/{REPORT_FILE})", flush=True)
+        return done
+    print(f"[arm] {name}", flush=True)
+    ctx = build_ctx()
+    train(arm_spec, ctx)
+    done = {"steps": arm_spec.steps, "train_prompts": len(ctx.train_rows)}
+    atomic_write_json(os.path.join(arm_spec.workdir, REPORT_FILE), done)
+    return done
 
 
 def p5_hold(history, threshold: float, min_tokens: float) -> dict:
@@ -130,17 +161,8 @@ def run_study(spec: RunSpec) -> dict:
     arms, histograms, num_prompts = {}, {}, 0
     for arm in spec.study.arms:
         arm_spec = _arm_spec(spec, arm)
-        done = finished_report(arm_spec)
-        if done is None:
-            print(f"[study] arm {arm}", flush=True)
-            with_calibrated = arm in ("calibrated", "online_distill")
-            ctx = build_run_context(arm_spec, calibrated) if with_calibrated else build_run_context(arm_spec)
-            train(arm_spec, ctx)
-            done = {"steps": arm_spec.steps, "train_prompts": len(ctx.train_rows)}
-            atomic_write_json(os.path.join(arm_spec.workdir, REPORT_FILE), done)
-        else:
-            print(f"[study] arm {arm}: finished ({arm_spec.workdir}/{REPORT_FILE})", flush=True)
-        num_prompts = done["train_prompts"]
+        schedule = (calibrated,) if arm in ("calibrated", "online_distill") else ()  # else the arm's own
+        num_prompts = run_arm(arm_spec, lambda: build_run_context(arm_spec, *schedule), arm)["train_prompts"]
         arms[arm], histograms[arm] = read_metrics(arm_spec.workdir), read_histograms(arm_spec.workdir)
     plot_study({a: training_rows(r) for a, r in arms.items()}, os.path.join(spec.workdir, "study.png"))
     window = reward_window(num_prompts, spec.rollout.prompts_per_step, spec.steps)
