@@ -18,6 +18,8 @@ from sparrow_jax.data.tasks import pointer_chase as pc
 
 # Reward functions for the pool tests (module level: the spawned workers import them).
 def sleepy_reward(completion, example):
+    if example.get("raise"):
+        raise TimeoutError("the verifier's own")
     time.sleep(example["sleep"])
     return float(example["value"])
 
@@ -292,6 +294,9 @@ def test_reward_pool_timeout_replaces_worker():
         t0 = time.monotonic()
         assert pool.score_batch(["x"] * 4, [{"sleep": 0.0, "value": 0.25}] * 4) == [0.25] * 4
         assert pool.num_timeouts == 1
+        # a TimeoutError the verifier raises is its error, not the pool's timeout
+        assert pool.score_batch(["y"], [{"raise": True}]) == [0.0]
+        assert (pool.num_timeouts, pool.num_errors, pool.last_error) == (1, 1, "TimeoutError: the verifier's own")
     with pytest.raises(RuntimeError, match="closed"):
         pool.score_batch(["x"], [{"sleep": 0.0, "value": 0.25}])
 

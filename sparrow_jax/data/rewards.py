@@ -157,9 +157,11 @@ class RewardPool:
         except BrokenProcessPool as e:  # every worker died before taking a task
             raise RuntimeError(f"RewardPool: the workers exit on start-up; does the initializer fail, is fn "
                                f"{self.fn!r} importable (a module-level function)?") from e
-        except TimeoutError:  # the pool killed the worker and started another
-            self.num_timeouts += 1
-            return 0.0
+        except TimeoutError as e:
+            if e.__cause__ is None:  # the pool's own: it killed the worker and started another
+                self.num_timeouts += 1
+                return 0.0
+            error = f"{type(e).__name__}: {e}"  # raised by fn (it arrives with fn's remote traceback)
         except ProcessExpired as e:  # e.g. a segfault in fn; the pool started another worker
             error = f"worker exited with code {e.exitcode} while scoring item {item}"
         except Exception as e:  # a verifier bug or a garbage completion
