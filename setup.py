@@ -17,6 +17,7 @@ CORE = [
     "tqdm",
     "tensorboardX",
     "numpy",
+    "pebble",  # RewardPool: process pool with per-task timeouts
 ]
 HF = ["torch==2.13.0", "transformers>=4.51"]  # torch CPU build: parity tests and the HF peer benchmark
 TEST = ["pytest", "pytest-xdist", "nbclient", "nbformat", "ipykernel"]

@@ -108,8 +108,7 @@ def online_schedule_config() -> ConfigDict:
     return ConfigDict(dict(
         start="calibrated",  # first schedule: calibrated | preset | fixed (schedule.preset / topk) | dense (per bin, the
         #                      top-k covering the bin's whole context)
-        tau=0.86,  # target p5 acceptance rate per position bin
-        margin=0.03,  # hysteresis: a bin's budget falls only when confidently above tau + margin
+        margin=0.03,  # hysteresis: a bin's budget falls only when confidently above calibration.tau + margin
         up_levels=2,  # most grid levels a bin rises in one step when its smoothed p5 is below tau (one per margin short)
         down_levels=1,  # most grid levels a bin falls in one step when confidently above tau + margin (one more per
         #                 margin its lower bound clears that by)
@@ -144,7 +143,7 @@ def rollout_config() -> ConfigDict:
 
 def calibration_config() -> ConfigDict:
     return ConfigDict(dict(
-        tau=0.86,  # target p5 acceptance rate per position bin
+        tau=0.86,  # the run's one p5 threshold per position bin: calibration targets it, the online controller holds it
         budgets=(1, 2, 4, 8, 16),  # grid of top-k pages to measure
         num_prompts=16,  # prompts used to build the budget x bin table
         samples_per_prompt=2,  # rollouts per calibration prompt

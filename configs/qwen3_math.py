@@ -54,8 +54,7 @@ def get_config():
     c.schedule.reserved_last = 2
     c.schedule.dense_layers = (0, 1)
     c.schedule.online.start = "preset"
-    c.schedule.online.tau = 0.86
-    c.calibration.tau = 0.86  # the tau the report compares p5 with
+    c.calibration.tau = 0.86  # the tau the controller holds and the report compares p5 with
 
     c.train.learning_rate = 1e-6  # the release's settings: lr, clip-higher 0.2 / 0.28, no KL, no entropy bonus
     c.train.max_grad_norm = 1.0

@@ -23,5 +23,4 @@ def get_config():
     c.study = study_config()
     c.study.aggressive_topk = 16  # top-k pages of the aggressive arm (256 tokens + 3 kept pages)
     c.study.arms = ("dense", "calibrated", "aggressive", "online_dense", "online_aggressive", "online_distill")
-    c.schedule.online.tau = c.calibration.tau
     return c

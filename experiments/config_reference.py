@@ -37,7 +37,7 @@ OPTIONAL = {"model.warmup": "warmup_config", "study": "study_config"}
 @dataclasses.dataclass(frozen=True)
 class Entry:
     """A field (leaf) or block of the config, in source order."""
-    path: str  # dotted, e.g. schedule.online.tau
+    path: str  # dotted, e.g. schedule.online.margin
     comment: str  # one line; a block's may be empty
     is_block: bool
 
@@ -184,7 +184,6 @@ RULES: tuple[tuple[str, Any, dict[str, Any]], ...] = (
     ("schedule.preset", "", {"schedule.kind": "preset"}),
     ("schedule.path", "", {"schedule.kind": "json"}),
     ("schedule.dense_layers", (0, 9), {}),
-    ("schedule.online.tau", 1.0, {}),
     ("schedule.online.margin", 1.0, {}),
     ("schedule.online.smoothing", 1.0, {}),
     ("schedule.online.patience", 1, {}),

@@ -296,7 +296,7 @@ def test_online_config_validation_names_the_field():
     c.schedule.kind = "online"
     c.schedule.online.start = "fixed"
     assert parse_spec(c).schedule.online.start == "fixed"
-    for field, value, msg in (("start", "json", "schedule.online.start"), ("tau", 1.2, "schedule.online.tau"),
+    for field, value, msg in (("start", "json", "schedule.online.start"),
                               ("smoothing", 1.0, "schedule.online.smoothing"),
                               ("patience", 1, "schedule.online.patience"),
                               ("min_tokens", 0, "schedule.online.min_tokens"),
@@ -323,7 +323,7 @@ def _online_spec(tmp_path, start, steps=2, topk=2):
     c.task.context_tokens, c.task.num_train, c.task.num_eval = 64, 8, 2
     c.rollout.max_new_tokens, c.rollout.prompts_per_step, c.rollout.group_size = 6, 2, 2
     c.schedule.kind, c.schedule.online.start, c.schedule.topk = "online", start, topk
-    c.schedule.online.min_tokens, c.schedule.online.patience, c.schedule.online.tau = 4, 2, 0.9
+    c.schedule.online.min_tokens, c.schedule.online.patience, c.calibration.tau = 4, 2, 0.9
     return parse_spec(c)
 
 
@@ -337,7 +337,7 @@ def test_trainer_steers_the_table_from_the_step_metrics(tmp_path):
     spec = _online_spec(tmp_path, "dense")
     layout = build_schedule(spec.schedule, str(tmp_path))  # a dense start keeps the configured layout
     assert (layout.page_size, layout.bin_width, layout.dense_layers) == (8, 64, (0,))
-    settings = dataclasses.replace(online_settings(spec.schedule, layout, max_len=240), min_tokens=100, tau=0.86)
+    settings = dataclasses.replace(online_settings(spec.schedule, layout, max_len=240, tau=0.86), min_tokens=100)
     assert settings.grid[-1] == 28 and settings.grid[0] == 1  # 240 / 8 - 3 reserved = 27 -> 28; min_topk 1
     loop = SimpleNamespace(opts=StepOptions(num_bins=4, bin_width=64), controller=settings)
     ctrl = init_controller(settings, (2,), 4)

@@ -6,6 +6,7 @@ test reward functions below.
 """
 import json
 import os
+import pickle
 import time
 
 import pytest
@@ -17,6 +18,8 @@ from sparrow_jax.data.tasks import pointer_chase as pc
 
 # Reward functions for the pool tests (module level: the spawned workers import them).
 def sleepy_reward(completion, example):
+    if example.get("raise"):
+        raise TimeoutError("the verifier's own")
     time.sleep(example["sleep"])
     return float(example["value"])
 
@@ -31,6 +34,10 @@ def crashing_reward(completion, example):
     if example.get("crash"):
         os._exit(3)
     return 1.0
+
+
+def failing_initializer():
+    raise ImportError("no verifier here")
 
 
 def _parse_records(prompt):
@@ -287,7 +294,11 @@ def test_reward_pool_timeout_replaces_worker():
         t0 = time.monotonic()
         assert pool.score_batch(["x"] * 4, [{"sleep": 0.0, "value": 0.25}] * 4) == [0.25] * 4
         assert pool.num_timeouts == 1
-    assert all(w is None for w in pool._workers)   # closed
+        # a TimeoutError the verifier raises is its error, not the pool's timeout
+        assert pool.score_batch(["y"], [{"raise": True}]) == [0.0]
+        assert (pool.num_timeouts, pool.num_errors, pool.last_error) == (1, 1, "TimeoutError: the verifier's own")
+    with pytest.raises(RuntimeError, match="closed"):
+        pool.score_batch(["x"], [{"sleep": 0.0, "value": 0.25}])
 
 
 def test_reward_pool_errors_and_crashes_score_zero():
@@ -299,6 +310,15 @@ def test_reward_pool_errors_and_crashes_score_zero():
         assert pool.num_errors == 1 and "code 3" in pool.last_error
     with pytest.raises(ValueError, match="2 completions but 1 examples"):
         rewards.RewardPool(failing_reward, num_workers=0).score_batch(["a", "b"], [{}])
+
+
+def test_reward_pool_start_up_failures_raise_instead_of_scoring_zero():
+    with rewards.RewardPool(failing_reward, num_workers=1, initializer=failing_initializer) as pool:
+        with pytest.raises(RuntimeError, match="exit on start-up"):
+            pool.score_batch(["a"], [{}])
+    with rewards.RewardPool(lambda c, e: 1.0, num_workers=1) as pool:  # spawned workers cannot unpickle it
+        with pytest.raises((pickle.PicklingError, AttributeError)):
+            pool.score_batch(["a"], [{}])
 
 
 def test_math_task_through_pool():

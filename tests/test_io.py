@@ -21,7 +21,7 @@ import pytest
 from sparrow_jax.io import atomic_write_json, to_jsonable
 from sparrow_jax.io import checkpoint as ckpt_mod
 from sparrow_jax.io.checkpoint import MARKER_NAME, CheckpointManager, CheckpointMismatchError
-from sparrow_jax.io.metrics import MetricWriter, ProgressBar, read_metrics
+from sparrow_jax.io.metrics import MetricWriter, ProgressBar, bin_series, logged_bins, read_metrics
 from sparrow_jax.io.plots import plot_curves, plot_p5_by_position, plot_panels
 
 REPO = Path(__file__).resolve().parents[1]
@@ -406,6 +406,15 @@ def test_metrics_errors_and_non_primary(tmp_path):
     (tmp_path / "bad.jsonl").write_text('{"step": 0}\nnot json\n{"step": 2}\n')
     with pytest.raises(ValueError, match="bad.jsonl:2"):
         read_metrics(tmp_path / "bad.jsonl")
+
+
+def test_per_bin_metric_names_are_read_back_by_bin_start():
+    records = [{"step": 1, "mismatch/count/bin_128": 5.0, "mismatch/count/bin_0": 7.0, "mismatch/alpha_p5": 0.9},
+               {"step": 2, "mismatch/count/bin_1024": 3.0, "schedule/topk/bin_0": 4.0}]
+    assert logged_bins(records, "mismatch/count") == [0, 128, 1024]  # numeric order, not the keys'
+    assert logged_bins(records, "mismatch/alpha_p5") == []
+    got = bin_series(records, "mismatch/count")
+    assert list(got) == [0, 128, 1024] and got[0][0] == 7.0 and math.isnan(got[0][1]) and got[1024][1] == 3.0
 
 
 def test_progress_bar():

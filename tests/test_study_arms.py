@@ -6,7 +6,7 @@ import math
 import pytest
 
 from sparrow_jax.run.specs import ConfigError, parse_spec
-from sparrow_jax.run.study import _arm_spec, p5_hold, paired_reward_diff
+from sparrow_jax.run.study import WITHOUT_LORA, _arm_spec, p5_hold, paired_reward_diff, without_lora_spec
 
 
 def _study_spec(arms=None):
@@ -32,6 +32,16 @@ def test_arm_specs_set_schedule_and_distill_per_arm():
         assert got[arm].distill.enabled == (arm == "online_distill")
     assert got["online_distill"].distill.compare_without is False
     assert all(a.workdir.endswith(name) and a.study is None for name, a in got.items())
+
+
+def test_the_distill_comparison_arm_is_the_same_run_without_the_lora():
+    from configs.distill_tiny import get_config
+
+    spec = parse_spec(get_config())
+    arm = without_lora_spec(spec)
+    assert spec.distill.enabled and spec.distill.compare_without and not arm.distill.enabled
+    assert arm.workdir.endswith(WITHOUT_LORA) and arm.workdir.startswith(spec.workdir)
+    assert (arm.schedule, arm.steps, arm.seed, arm.task) == (spec.schedule, spec.steps, spec.seed, spec.task)
 
 
 @pytest.mark.parametrize("arms", [("dense", "bogus"), ("dense", "dense"), ()])

@@ -14,6 +14,9 @@ crash is dropped on open.
 Histograms (per-step arrays too big for scalars) go to `<workdir>/alpha_hist.jsonl` through
 `HistogramWriter`, one sparse row per step, trimmed on resume like the metrics:
 {"step": int, "bins": {"<bin_start>": [[bucket, count], ...]}, "buckets": int}.
+
+Per-bin metrics are named ``<family>/bin_<start>`` (e.g. ``mismatch/alpha_p5/bin_128``);
+:func:`logged_bins` and :func:`bin_series` are the one reader of those names.
 """
 from __future__ import annotations
 
@@ -21,7 +24,7 @@ import json
 import math
 import os
 import sys
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -32,6 +35,17 @@ from sparrow_jax.io import NONFINITE_STRINGS, atomic_write_bytes, to_jsonable
 METRICS_FILE = "metrics.jsonl"
 HISTOGRAM_FILE = "alpha_hist.jsonl"
 TB_DIR = "tb"
+
+
+def logged_bins(records: Iterable[Mapping[str, Any]], family: str) -> list[int]:
+    """Sorted bin starts of the per-bin metrics ``<family>/bin_<start>`` present in any of ``records``."""
+    prefix = f"{family}/bin_"
+    return sorted({int(k[len(prefix):]) for r in records for k in r if k.startswith(prefix)})
+
+
+def bin_series(records: Sequence[Mapping[str, Any]], family: str) -> dict[int, list]:
+    """``{bin_start: [value per record (nan where absent)]}`` of the metrics ``<family>/bin_<start>``."""
+    return {b: [r.get(f"{family}/bin_{b}", np.nan) for r in records] for b in logged_bins(records, family)}
 
 
 def _scalar(name: str, value: Any) -> int | float:

@@ -33,6 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from sparrow_jax.cost_model import dense_rollout_cost
+from sparrow_jax.io.metrics import logged_bins
 from sparrow_jax.mismatch.scorers import score_rollout
 from sparrow_jax.mismatch.tail import binned_percentile_jax, query_positions
 from sparrow_jax.models.config import Qwen3Config
@@ -133,19 +134,16 @@ def probe_report(history: list[dict], min_count: int = 1) -> dict:
     the probe was optimistic), and over all bins the same plus ``probes`` (steps that ran one),
     ``rejected`` (bins whose fall a probe stopped), ``probe_s`` (seconds in all).
     """
-    prefix = "schedule/probe_p5/bin_"
-    if not any(k.startswith(prefix) for h in history for k in h):
+    if not logged_bins(history, "schedule/probe_p5"):
         return {}
     errors: dict[int, list[float]] = {}
     for now, after in zip(history, history[1:]):
-        for key, predicted in now.items():
-            if not key.startswith(prefix):
-                continue
-            b = key[len(prefix):]
+        for b in logged_bins([now], "schedule/probe_p5"):
+            predicted = now[f"schedule/probe_p5/bin_{b}"]
             same_budget = after.get(f"schedule/topk/bin_{b}") == now.get(f"schedule/probe_topk/bin_{b}")
             measured = after.get(f"mismatch/alpha_p5/bin_{b}")
             if same_budget and measured is not None and after.get(f"mismatch/count/bin_{b}", 0) >= min_count:
-                errors.setdefault(int(b), []).append(float(measured) - float(predicted))
+                errors.setdefault(b, []).append(float(measured) - float(predicted))
 
     def summary(e: list[float]) -> dict:
         a = np.abs(np.asarray(e, np.float64))

@@ -1,5 +1,11 @@
 """What an RL run works with: :class:`RunContext`, built once by
-:func:`sparrow_jax.run.context.build_run_context` from the run's specs."""
+:func:`sparrow_jax.run.context.build_run_context` from the run's specs.
+
+Defined here and built there because of the layering (tests/test_layers.py): the RL loop
+(:mod:`sparrow_jax.rl.trainer`) consumes the context and ``rl/`` may not import ``run/``; the
+builder resolves the run's config into objects (tokenizer, model source, schedule files,
+examples, engine), which is the entry layer's job. Imports: data, models and rollout types only.
+"""
 from __future__ import annotations
 
 import dataclasses

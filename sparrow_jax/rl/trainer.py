@@ -249,17 +249,19 @@ def make_loop(spec: RunSpec, ctx: RunContext) -> Loop:
     d = spec.distill
     distill = DistillOptions(kl_coef=d.kl_coef, kl=d.kl, tis_cap=d.tis_cap, updates=d.updates_per_step)
     lora = (lora_config(d), make_optimizer(d.learning_rate, max_grad_norm=0.0), distill) if d.enabled else (None,) * 3
-    controller = online_settings(spec.schedule, ctx.schedule, max_len) if spec.schedule.kind == "online" else None
+    controller = (online_settings(spec.schedule, ctx.schedule, max_len, spec.calibration.tau)
+                  if spec.schedule.kind == "online" else None)
     return Loop(spec, ctx, mesh, make_optimizer(tr.learning_rate, tr.max_grad_norm), opts, *lora,
                 pool=reward_pool(ctx, spec.task.reward_workers, spec.task.reward_timeout_s), controller=controller,
                 ref_params=ref)
 
 
-def online_settings(s: ScheduleSpec, layout: SparsitySchedule, max_len: int) -> ControllerSettings:
-    """The controller's settings; its grid tops out at the dense top-k of ``max_len`` (or ``online.max_topk``)."""
+def online_settings(s: ScheduleSpec, layout: SparsitySchedule, max_len: int, tau: float) -> ControllerSettings:
+    """The controller's settings, holding each bin's p5 at ``tau`` (the run's ``calibration.tau``); its grid
+    tops out at the dense top-k of ``max_len`` (or ``online.max_topk``)."""
     o = s.online
     max_topk = o.max_topk or max(-(-max_len // layout.page_size) - layout.reserved, 0)
-    return ControllerSettings(grid=topk_grid(max_topk, o.levels_per_octave, min(o.min_topk, max_topk)), tau=o.tau,
+    return ControllerSettings(grid=topk_grid(max_topk, o.levels_per_octave, min(o.min_topk, max_topk)), tau=tau,
                               margin=o.margin, up_levels=o.up_levels, down_levels=o.down_levels,
                               min_tokens=o.min_tokens, smoothing=o.smoothing, z=o.z, patience=o.patience,
                               retry_after=o.retry_after, probe=o.probe, probe_margin=o.probe_margin)

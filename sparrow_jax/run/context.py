@@ -3,7 +3,9 @@ tokenizer, task, schedule, train / eval examples, sampling parameters).
 
 Training, calibration, the warm-up entry and the notebooks all start here, so the tokenizer
 is resolved, the model built, the schedule constructed and ``SamplingParams`` made in one
-place each.
+place each. The :class:`~sparrow_jax.rl.context.RunContext` it returns is defined in
+``rl/context.py``, below this layer, because the RL loop consumes it and ``rl/`` may not
+import ``run/``. Imports: the layers below ``run/`` and ``run.specs``.
 """
 from __future__ import annotations
 

@@ -1,7 +1,9 @@
 """The end-to-end Sparrow pipeline behind ``experiments.run`` and the notebooks.
 
 warm-up (model.source == "warmup", cached) -> calibration (schedule.kind == "calibrated",
-unless ``<workdir>/schedule.json`` exists) -> RL with the configured rollouts -> report:
+unless ``<workdir>/schedule.json`` exists) -> RL with the configured rollouts -> with DistillSparse
+and ``distill.compare_without``, the same RL without the LoRA as an arm
+(:func:`~sparrow_jax.run.study.run_arm`) -> report:
 ``<workdir>/report.json`` (figures rebuilt from the workdir's logs, :mod:`sparrow_jax.run.report`,
 and the rollout speedup measured like for like, :mod:`sparrow_jax.run.speed`) and
 ``<workdir>/reward.png``. A study config runs its arms (:mod:`sparrow_jax.run.study`).
@@ -31,7 +33,7 @@ from sparrow_jax.run.context import RunContext, build_run_context
 from sparrow_jax.run.report import training_report, training_rows, val_series
 from sparrow_jax.run.specs import RunSpec
 from sparrow_jax.run.speed import speedup_summary, time_sides
-from sparrow_jax.run.study import print_study, run_study
+from sparrow_jax.run.study import WITHOUT_LORA, print_study, run_arm, run_study, without_lora_spec
 from sparrow_jax.run.workdir import REPORT_FILE, check_workdir, finished_report, write_config
 
 
@@ -74,8 +76,9 @@ def distill_report(spec: RunSpec, ctx: RunContext, result: TrainResult) -> dict:
     ``p5_before``: the initial model's sparse actor; ``p5_after``: the final sparse actor (final
     policy + LoRA); ``p5_after_without_lora``: the final policy's sparse actor without the
     LoRA, which separates what the LoRA did from how the policy moved. With ``compare_without``,
-    the same RL without the LoRA in ``<workdir>/without_distill``: both runs' rewards, its dense and
-    sparse validation series, and the update cost ratio.
+    read from the logs of the no-LoRA arm the pipeline trained in ``<workdir>/without_distill``
+    (process 0 only, which holds them): both runs' rewards, its dense and sparse validation
+    series, and the update cost ratio.
     """
     schedule, params = result.schedule, result.state.train.params
     before = _tail(spec, ctx, ctx.params, schedule)
@@ -89,11 +92,8 @@ def distill_report(spec: RunSpec, ctx: RunContext, result: TrainResult) -> dict:
     rows += [f"{start:>6} {b:8.3f} {a:8.3f} {w:8.3f}"
              for start, b, a, w in zip(after["bin_starts"], before["p5"], after["p5"], without["p5"])]
     print("[distill] held-out p5 of the sparse actor\n" + "\n".join(rows), flush=True)
-    if spec.distill.compare_without:
-        plain_spec = dataclasses.replace(spec, workdir=os.path.join(spec.workdir, "without_distill"),
-                                         distill=dataclasses.replace(spec.distill, enabled=False))
-        plain = train(plain_spec, dataclasses.replace(ctx, schedule=schedule))
-        with_records, without_records = _records(spec.workdir, result), _records(plain_spec.workdir, plain)
+    if spec.distill.compare_without and is_primary():
+        with_records, without_records = read_metrics(spec.workdir), read_metrics(without_lora_spec(spec).workdir)
         with_rows, without_rows = training_rows(with_records), training_rows(without_records)
         out["reward_with"] = [h["reward_mean"] for h in with_rows]
         out["reward_without"] = [h["reward_mean"] for h in without_rows]
@@ -150,6 +150,8 @@ def run_pipeline(spec: RunSpec) -> dict:
         calibrate_run(spec)  # writes <workdir>/calibration.json, which the report reads
     ctx = build_run_context(spec)
     result = train(spec, ctx)
+    if spec.distill.enabled and spec.distill.compare_without:  # its schedule: the one this run ended with
+        run_arm(without_lora_spec(spec), lambda: dataclasses.replace(ctx, schedule=result.schedule), WITHOUT_LORA)
     records = _records(spec.workdir, result)
     histograms = read_histograms(spec.workdir) if is_primary() else []
     report = {**training_report(records, histograms, num_prompts=len(ctx.train_rows),

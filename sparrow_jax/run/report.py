@@ -10,6 +10,7 @@ from typing import Optional
 
 import numpy as np
 
+from sparrow_jax.io.metrics import logged_bins
 from sparrow_jax.mismatch.tail import histogram_percentile
 
 
@@ -61,11 +62,10 @@ def val_series(records: list[dict], side: str, k: int) -> Optional[dict]:
 
 def _bin_cells(rows: list[dict]) -> dict[int, list[tuple[int, float, float, float]]]:
     """``{bin_start: [(step, p5, tokens, mean)]}`` of the steps where the bin received tokens."""
-    prefix = "mismatch/count/bin_"
-    starts = sorted({int(k[len(prefix):]) for r in rows for k in r if k.startswith(prefix)})
-    return {b: [(r["step"], r[f"mismatch/alpha_p5/bin_{b}"], r[f"{prefix}{b}"], r[f"mismatch/alpha_mean/bin_{b}"])
-                for r in rows if r.get(f"{prefix}{b}", 0) > 0 and f"mismatch/alpha_p5/bin_{b}" in r]
-            for b in starts}
+    return {b: [(r["step"], r[f"mismatch/alpha_p5/bin_{b}"], r[f"mismatch/count/bin_{b}"],
+                 r[f"mismatch/alpha_mean/bin_{b}"])
+                for r in rows if r.get(f"mismatch/count/bin_{b}", 0) > 0 and f"mismatch/alpha_p5/bin_{b}" in r]
+            for b in logged_bins(rows, "mismatch/count")}
 
 
 def pooled_p5_by_bin(rows: list[dict], histograms: list[tuple[int, dict]], q: float = 5.0) -> list[dict]:

@@ -72,7 +72,6 @@ class SamplingSpec:
 @_spec
 class OnlineScheduleSpec:  # schedule.kind = online: the per-bin p5 controller (rollout/schedule_control.py)
     start: str  # calibrated | preset | fixed | dense
-    tau: float
     margin: float
     up_levels: int
     down_levels: int
@@ -85,7 +84,7 @@ class OnlineScheduleSpec:  # schedule.kind = online: the per-bin p5 controller (
     min_topk: int
     max_topk: int  # 0: the dense top-k of the run's longest sequence
     probe: bool  # score a fall's candidate budgets on the step's rollouts before taking it
-    probe_margin: float  # a probed fall needs its candidate p5 lower bound >= tau + probe_margin
+    probe_margin: float  # a probed fall needs its candidate p5 lower bound >= calibration.tau + probe_margin
 
 
 @_spec
@@ -387,7 +386,6 @@ def validate(spec: RunSpec) -> None:
 def _validate_online(spec: RunSpec) -> None:
     """schedule.online.*: the ranges ControllerSettings needs, and what online excludes."""
     s, o = spec.schedule, spec.schedule.online
-    _require(0 < o.tau < 1, "schedule.online.tau", o.tau, "must be in (0, 1)")
     _require(o.margin < 1, "schedule.online.margin", o.margin, "must be < 1")
     _require(0 <= o.probe_margin < 1, "schedule.online.probe_margin", o.probe_margin, "must be in [0, 1)")
     _require(0 <= o.smoothing < 1, "schedule.online.smoothing", o.smoothing, "must be in [0, 1)")

@@ -1,22 +1,30 @@
-"""The study: the same seeds and steps for every arm of ``study.arms`` (dense rollouts, the
-calibrated schedule, an aggressive fixed budget, the online controller started dense, aggressive
-or calibrated with DistillSparse), each in ``<workdir>/<arm>``, and a table of their figures.
+"""Arms: runs trained beside the main one with the same seeds and steps, each in its own workdir
+(:func:`run_arm`), whose figures are then read from their logs.
 
-An arm is finished when ``<workdir>/<arm>/report.json`` holds this many steps: a study rerun
-skips finished arms and resumes the first unfinished one from its checkpoints. Every figure of
-the table is rebuilt from the arms' logs (:mod:`sparrow_jax.run.report`).
+The study: every arm of ``study.arms`` (dense rollouts, the calibrated schedule, an aggressive
+fixed budget, the online controller started dense, aggressive or calibrated with DistillSparse),
+each in ``<workdir>/<arm>``, and a table of their figures. A DistillSparse run with
+``distill.compare_without`` has one arm, the same RL without the LoRA in
+``<workdir>/without_distill`` (:func:`without_lora_spec`), which the pipeline trains before its
+report reads it.
+
+An arm is finished when ``<workdir>/<arm>/report.json`` holds this many steps: a rerun skips
+finished arms and resumes the first unfinished one from its checkpoints. Every figure of the
+table is rebuilt from the arms' logs (:mod:`sparrow_jax.run.report`).
 """
 from __future__ import annotations
 
 import dataclasses
 import json
 import os
+from typing import Callable
 
 import numpy as np
 
 from sparrow_jax.io import atomic_write_json
-from sparrow_jax.io.metrics import read_histograms, read_metrics
+from sparrow_jax.io.metrics import bin_series, read_histograms, read_metrics
 from sparrow_jax.io.plots import plot_panels
+from sparrow_jax.rl.context import RunContext
 from sparrow_jax.rl.trainer import train
 from sparrow_jax.run.calibration import calibrate_run
 from sparrow_jax.run.context import build_run_context, build_schedule
@@ -26,6 +34,7 @@ from sparrow_jax.run.specs import RunSpec
 from sparrow_jax.run.workdir import REPORT_FILE, finished_report
 
 _ONLINE_START = {"online_dense": "dense", "online_aggressive": "fixed", "online_distill": "calibrated"}
+WITHOUT_LORA = "without_distill"  # the DistillSparse run's comparison arm
 
 
 def _arm_spec(spec: RunSpec, arm: str) -> RunSpec:
@@ -44,18 +53,34 @@ def _arm_spec(spec: RunSpec, arm: str) -> RunSpec:
                                study=None)
 
 
-def _bin_series(history, prefix: str) -> dict[int, list]:
-    """``{bin_start: [value per step (nan where absent)]}`` of the metrics ``<prefix><bin_start>``."""
-    starts = sorted({int(k[len(prefix):]) for h in history for k in h if k.startswith(prefix)})
-    return {b: [h.get(f"{prefix}{b}", np.nan) for h in history] for b in starts}
+def without_lora_spec(spec: RunSpec) -> RunSpec:
+    """The comparison arm of a DistillSparse run: the same RL without the LoRA in ``<workdir>/without_distill``."""
+    return dataclasses.replace(spec, workdir=os.path.join(spec.workdir, WITHOUT_LORA),
+                               distill=dataclasses.replace(spec.distill, enabled=False))
+
+
+def run_arm(arm_spec: RunSpec, build_ctx: Callable[[], RunContext], name: str) -> dict:
+    """Train one arm unless it has finished (an interrupted arm resumes from its checkpoints, inside
+    ``train``); ``build_ctx`` is called only to train. Returns the arm's ``report.json``:
+    ``{"steps", "train_prompts"}``."""
+    done = finished_report(arm_spec)
+    if done is not None:
+        print(f"[arm] {name}: finished ({arm_spec.workdir}/{REPORT_FILE})", flush=True)
+        return done
+    print(f"[arm] {name}", flush=True)
+    ctx = build_ctx()
+    train(arm_spec, ctx)
+    done = {"steps": arm_spec.steps, "train_prompts": len(ctx.train_rows)}
+    atomic_write_json(os.path.join(arm_spec.workdir, REPORT_FILE), done)
+    return done
 
 
 def p5_hold(history, threshold: float, min_tokens: float) -> dict:
     """When every bin with >= ``min_tokens`` tokens first has p5 >= ``threshold`` (``reached_step``,
     None if never), and the share of (step, bin) cells with that many tokens from then on that
     keep it (``held_fraction``, over ``cells`` cells)."""
-    p5 = _bin_series(history, "mismatch/alpha_p5/bin_")
-    count = _bin_series(history, "mismatch/count/bin_")
+    p5 = bin_series(history, "mismatch/alpha_p5")
+    count = bin_series(history, "mismatch/count")
     cells = lambda i: [p5[b][i] for b in p5 if b in count and count[b][i] >= min_tokens]  # p5 of full bins
     reached = next((i for i in range(len(history)) if cells(i) and min(cells(i)) >= threshold), None)
     if reached is None:
@@ -96,8 +121,8 @@ def arm_row(spec: RunSpec, arm: str, records: list[dict], histograms: list, wind
     if costs:
         row["predicted_cost_end"], row["predicted_cost_mean"] = float(costs[-1]), float(np.mean(costs))
     if arm in _ONLINE_START and rows:
-        row["topk_end"] = {str(b): int(v[-1]) for b, v in _bin_series(rows, "schedule/topk/bin_").items()}
-        row["p5_hold"] = p5_hold(rows, spec.schedule.online.tau - 0.02, spec.schedule.online.min_tokens)
+        row["topk_end"] = {str(b): int(v[-1]) for b, v in bin_series(rows, "schedule/topk").items()}
+        row["p5_hold"] = p5_hold(rows, spec.calibration.tau - 0.02, spec.schedule.online.min_tokens)
     return row
 
 
@@ -116,12 +141,12 @@ def plot_study(arms: dict[str, list], path: str) -> None:
     for a, hist in arms.items():
         if a == "dense":
             continue
-        counts = _bin_series(hist, "mismatch/count/bin_")
+        counts = bin_series(hist, "mismatch/count")
         used = [b for b, c in counts.items() if np.nansum(c) > 0]
-        p5 = _bin_series(hist, "mismatch/alpha_p5/bin_")
+        p5 = bin_series(hist, "mismatch/alpha_p5")
         panels.append((f"p5 per bin: {a}", "alpha p5", {f"bin {b}": (steps[a], p5[b]) for b in used if b in p5}))
         if a in _ONLINE_START:
-            topk = _bin_series(hist, "schedule/topk/bin_")
+            topk = bin_series(hist, "schedule/topk")
             panels.append((f"top-k per bin: {a}", "pages", {f"bin {b}": (steps[a], topk[b]) for b in used
                                                              if b in topk}))
     plot_panels([p for p in panels if p[2]], path, columns=4)  # an arm without binned tokens has no panel
@@ -136,17 +161,8 @@ def run_study(spec: RunSpec) -> dict:
     arms, histograms, num_prompts = {}, {}, 0
     for arm in spec.study.arms:
         arm_spec = _arm_spec(spec, arm)
-        done = finished_report(arm_spec)
-        if done is None:
-            print(f"[study] arm {arm}", flush=True)
-            with_calibrated = arm in ("calibrated", "online_distill")
-            ctx = build_run_context(arm_spec, calibrated) if with_calibrated else build_run_context(arm_spec)
-            train(arm_spec, ctx)
-            done = {"steps": arm_spec.steps, "train_prompts": len(ctx.train_rows)}
-            atomic_write_json(os.path.join(arm_spec.workdir, REPORT_FILE), done)
-        else:
-            print(f"[study] arm {arm}: finished ({arm_spec.workdir}/{REPORT_FILE})", flush=True)
-        num_prompts = done["train_prompts"]
+        schedule = (calibrated,) if arm in ("calibrated", "online_distill") else ()  # else the arm's own
+        num_prompts = run_arm(arm_spec, lambda: build_run_context(arm_spec, *schedule), arm)["train_prompts"]
         arms[arm], histograms[arm] = read_metrics(arm_spec.workdir), read_histograms(arm_spec.workdir)
     plot_study({a: training_rows(r) for a, r in arms.items()}, os.path.join(spec.workdir, "study.png"))
     window = reward_window(num_prompts, spec.rollout.prompts_per_step, spec.steps)
