@@ -7,7 +7,6 @@ arrays read back with ``host_array``; and that a failing process stops the run.
 """
 import json
 import os
-import sys
 import textwrap
 from pathlib import Path
 

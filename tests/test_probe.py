@@ -6,7 +6,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from scipy import stats
 
 from sparrow_jax.mismatch.probe import (candidate_tail, group_draws, grouped_p5_lower_bound, probe_metrics,
                                         probe_report)
@@ -15,7 +14,7 @@ from sparrow_jax.mismatch.tail import binned_percentile, query_positions
 from sparrow_jax.models import tiny_config
 from sparrow_jax.models.qwen3 import init_params
 from sparrow_jax.rollout.schedule import SparsitySchedule
-from sparrow_jax.rollout.schedule_control import (ControllerSettings, controller_step_jit, controller_topk,
+from sparrow_jax.rollout.schedule_control import (ControllerSettings, controller_step_jit,
                                                   init_controller, probe_rejections, topk_grid)
 
 CONFIG = tiny_config()

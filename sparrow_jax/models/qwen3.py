@@ -13,7 +13,7 @@ or block-sparse (see :mod:`sparrow_jax.models.attention_modes`).
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable, Protocol
+from typing import Any, Protocol
 
 import jax
 import jax.numpy as jnp
