@@ -12,7 +12,7 @@ JAX (``experiments.memory_report`` sets JAX's device count after parsing its fla
 from __future__ import annotations
 
 import sys
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, NoReturn, Optional, Sequence
 
 from absl import app, flags
 
@@ -21,18 +21,19 @@ from sparrow_jax.run.specs import ConfigError, RunSpec, parse_spec
 EXIT_BAD_CONFIG = 2
 
 
-def _fail(message: str) -> None:
+def usage_error(message: str) -> NoReturn:
+    """Print ``error: message`` to stderr and exit with status 2 (a bad flag or config)."""
     print(f"error: {message}", file=sys.stderr, flush=True)
     sys.exit(EXIT_BAD_CONFIG)
 
 
-def _parse_flags(argv: list[str]) -> list[str]:
+def _parse_config_flags(argv: list[str]) -> list[str]:
     try:
         return flags.FLAGS(argv)
     except flags.Error as e:
-        _fail(str(e))
+        usage_error(str(e))
     except OSError as e:  # an override makes ml_collections load the config file while parsing
-        _fail(_load_error(e, "config", _flag_value(argv, "config")))
+        usage_error(_load_error(e, "config", _flag_value(argv, "config")))
     except (AttributeError, KeyError) as e:  # ml_collections: an override of a field the config lacks
         # ml_collections wraps a KeyError in the AttributeError and may append "Did you mean ..."
         # after the field's name: unwrap, keep the first line
@@ -42,7 +43,7 @@ def _parse_flags(argv: list[str]) -> list[str]:
         missing = str(arg).splitlines()[0].strip("\"'")
         bad = [a.split("=", 1)[0] for a in argv[1:]
                if a.startswith("--config.") and missing in a.split("=", 1)[0].split(".")]
-        _fail(f"{bad[0] if bad else missing}: unknown config field ('{missing}' is not in the config)")
+        usage_error(f"{bad[0] if bad else missing}: unknown config field ('{missing}' is not in the config)")
 
 
 def _flag_value(argv: list[str], name: str) -> str | None:
@@ -84,13 +85,13 @@ def config_main(config_flag: Any, main: Callable[[RunSpec], Any]) -> None:
         try:
             spec = parse_spec(_config_value(config_flag))
         except ConfigError as e:
-            _fail(str(e))
+            usage_error(str(e))
         try:
             main(spec)
         except ConfigError as e:
-            _fail(str(e))
+            usage_error(str(e))
 
-    app.run(run, flags_parser=_parse_flags)
+    app.run(run, flags_parser=_parse_config_flags)
 
 
 HELP_FLAGS = ("--help", "-h", "-?", "--helpshort", "--helpfull")
@@ -117,9 +118,9 @@ def parse_flags(define: Callable[[flags.FlagValues], None], argv: Optional[Seque
     try:
         rest = fv(["prog", *_split_multi_values(fv, argv)])[1:]
     except flags.Error as e:
-        _fail(str(e))
+        usage_error(str(e))
     if len(rest) != positionals:
-        _fail(f"expected {positionals} positional argument(s), got {rest}")
+        usage_error(f"expected {positionals} positional argument(s) (see --help), got {rest or 'none'}")
     return fv, rest
 
 
