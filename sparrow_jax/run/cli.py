@@ -15,10 +15,12 @@ import sys
 from typing import Any, Callable, NoReturn, Optional, Sequence
 
 from absl import app, flags
+from ml_collections import config_flags
 
 from sparrow_jax.run.specs import ConfigError, RunSpec, parse_spec
 
 EXIT_BAD_CONFIG = 2
+flags.disclaim_key_flags()  # a flag defined here for an entry is the entry's: its --help lists it
 
 
 def usage_error(message: str) -> NoReturn:
@@ -74,6 +76,13 @@ def _config_value(config_flag: Any) -> Any:
     if value is None:
         raise ConfigError(f"--{name} is required: a config file, e.g. --{name} configs/quickstart.py")
     return value
+
+
+def define_config_flag() -> Any:
+    """``--config``, the run config file, in absl's global registry; call it from the entry's
+    ``_cli()``, not at import: tests import the entries beside each other, and the registry
+    refuses a second ``--config`` from another module."""
+    return config_flags.DEFINE_config_file("config", None, "run config file (configs/*.py)", lock_config=True)
 
 
 def config_main(config_flag: Any, main: Callable[[RunSpec], Any]) -> None:
