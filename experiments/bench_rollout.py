@@ -186,10 +186,15 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
                              budget_tokens=args.budget_tokens, page_size=args.page_size,
                              backend=jax.default_backend(), impl=resolve_impl(args.impl),
                              hf_device=None if args.skip_hf else hf_device, model=BENCH_MODEL.to_hf_dict()))
-    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-    atomic_write_json(args.out, result)
-    print(json.dumps({k: v for k, v in result.items() if k != "setup"}))
+    _write_result(args.out, result)
     return result
+
+
+def _write_result(path: str, result: dict) -> None:
+    """``result`` to ``path`` (atomically) and, without its setup, as the last stdout line."""
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    atomic_write_json(path, result)
+    print(json.dumps({k: v for k, v in result.items() if k != "setup"}))
 
 
 def ragged_lengths(num: int, median: int, sigma: float, max_len: int, seed: int = 0) -> np.ndarray:
@@ -236,6 +241,38 @@ def _new_engine(config, params, prompts, lengths, batch, schedule, impl):
     return seconds, out.stats
 
 
+def _fixed_steps(lengths: np.ndarray, batch: int) -> int:
+    """Decode steps of fixed batches of ``batch`` requests, each run to its longest request."""
+    return int(sum(lengths[i:i + batch].max() for i in range(0, len(lengths), batch)))
+
+
+def _ragged_peers(args, params, prompts, lengths) -> dict:
+    """HF's and tunix's useful tokens/s on the ragged batch (unless skipped): fixed batches as the
+    ``fixed`` engine pays them, each chunk costing a prefill plus its longest request's decode
+    steps, from a measured prefill and step time (HF: per-step stamps over chunk 0; tunix: two
+    warm runs of different lengths, its decode attends the whole cache every step)."""
+    chunks, useful = -(-len(prompts) // args.batch), int(lengths.sum())
+
+    def peer_tok_s(prefill_s, step_s):
+        return useful / (chunks * prefill_s + _fixed_steps(lengths, args.batch) * step_s)
+
+    out = {}
+    if not args.skip_hf:
+        hf_tok_s, hf_prefill_s, _ = _hf(params, prompts[:args.batch], int(lengths[:args.batch].max()),
+                                        sorted({1, os.cpu_count() or 1}))
+        out["hf_tok_s"] = round(peer_tok_s(hf_prefill_s, args.batch / hf_tok_s), 2)
+        print(f"hf: {out['hf_tok_s']} useful tok/s (prefill {hf_prefill_s:.2f}s, decode {hf_tok_s:.1f} tok/s)")
+    if not args.skip_tunix:
+        from experiments.tunix_peer import TunixPeer
+
+        peer = TunixPeer(BENCH_MODEL, params, args.batch, args.prompt_len + 8 + int(lengths.max()))
+        prefill_s, step_s = peer.timing(prompts[:args.batch], 8, 8 + min(64, int(lengths.max())))
+        out["tunix_tok_s"] = round(peer_tok_s(prefill_s, step_s), 2)
+        out["tunix_timing"] = {"prefill_s": round(prefill_s, 3), "step_ms": round(step_s * 1e3, 3)}
+        print(f"tunix: {out['tunix_tok_s']} useful tok/s (prefill {prefill_s:.2f}s, step {step_s * 1e3:.1f} ms)")
+    return out
+
+
 def ragged_main(args) -> dict:
     """Useful (non-padding) generated tokens/s on a GRPO-like batch with long-tailed lengths.
 
@@ -248,17 +285,14 @@ def ragged_main(args) -> dict:
       its longest request (what a fixed-batch sampler pays for stop tokens at those places);
     * new: ``generate_continuous`` with ``max_slots=--batch`` (refills, group prefill shared,
       pooled pages);
-    * HF ``generate`` and tunix's sampler: fixed batches as ``fixed``, their time per chunk
-      from a measured prefill and decode step time (HF: per-step stamps over chunk 0; tunix:
-      two warm runs of different lengths, its decode attends the whole cache every step).
+    * HF ``generate`` and tunix's sampler (:func:`_ragged_peers`).
 
-    Every timed engine ran once before (compiles excluded). Useful tokens = sum of lengths.
+    Every timed engine ran once before (compiles excluded; :func:`alternate`). Useful tokens = sum of lengths.
     ``--model Qwen3-1.7B`` (random bf16 weights) and ``--preset`` (a paper schedule) are the
     accelerator setting; peers then run only with ``--model bench``.
     """
-    config, skip_peers = BENCH_MODEL, args.model != "bench"
-    if skip_peers:
-        config = Qwen3Config.preset(args.model, dtype="bfloat16", param_dtype="bfloat16")
+    bench_model = args.model == "bench"
+    config = BENCH_MODEL if bench_model else Qwen3Config.preset(args.model, dtype="bfloat16", param_dtype="bfloat16")
     params = init_params(config, seed=0)
     rng = np.random.RandomState(0)
     distinct = [list(rng.randint(3, config.vocab_size, args.prompt_len)) for _ in range(args.prompts)]
@@ -283,25 +317,8 @@ def ragged_main(args) -> dict:
             if key in stats:
                 result.setdefault(key, {})[name] = stats[key]
         print(f"{name}: {useful / seconds:.1f} useful tok/s ({seconds:.1f}s)", flush=True)
-    chunks = [lengths[i:i + args.batch] for i in range(0, len(prompts), args.batch)]
-    fixed_steps = int(sum(c.max() for c in chunks))
-
-    def peer_tok_s(prefill_s, step_s):
-        return useful / (len(chunks) * prefill_s + fixed_steps * step_s)
-
-    if not (args.skip_hf or skip_peers):
-        hf_tok_s, hf_prefill_s, _ = _hf(params, prompts[:args.batch], int(chunks[0].max()),
-                                        sorted({1, os.cpu_count() or 1}))
-        result["hf_tok_s"] = round(peer_tok_s(hf_prefill_s, args.batch / hf_tok_s), 2)
-        print(f"hf: {result['hf_tok_s']} useful tok/s (prefill {hf_prefill_s:.2f}s, decode {hf_tok_s:.1f} tok/s)")
-    if not (args.skip_tunix or skip_peers):
-        from experiments.tunix_peer import TunixPeer
-
-        peer = TunixPeer(BENCH_MODEL, params, args.batch, args.prompt_len + 8 + int(lengths.max()))
-        prefill_s, step_s = peer.timing(prompts[:args.batch], 8, 8 + min(64, int(lengths.max())))
-        result["tunix_tok_s"] = round(peer_tok_s(prefill_s, step_s), 2)
-        result["tunix_timing"] = {"prefill_s": round(prefill_s, 3), "step_ms": round(step_s * 1e3, 3)}
-        print(f"tunix: {result['tunix_tok_s']} useful tok/s (prefill {prefill_s:.2f}s, step {step_s * 1e3:.1f} ms)")
+    if bench_model:  # the peers are built for BENCH_MODEL
+        result.update(_ragged_peers(args, params, prompts, lengths))
     result["new_over_fixed"] = {m: round(result[f"new_{m}_tok_s"] / result[f"fixed_{m}_tok_s"], 3)
                                 for m in ("dense", "sparse")}
     result["sparse_over_dense"] = {e: round(result[f"{e}_sparse_tok_s"] / result[f"{e}_dense_tok_s"], 3)
@@ -316,12 +333,10 @@ def ragged_main(args) -> dict:
                   setup=dict(requests=len(prompts), group=args.group, prompt_len=args.prompt_len, batch=args.batch,
                              lengths=dict(dist="lognormal", median=args.median_len, sigma=args.sigma,
                                           max=args.gen_len, mean=round(float(lengths.mean()), 1),
-                                          fixed_steps=fixed_steps),
+                                          fixed_steps=_fixed_steps(lengths, args.batch)),
                              budget_tokens=args.budget_tokens, schedule=schedule.name, model=args.model,
                              backend=jax.default_backend(), impl=resolve_impl(args.impl)))
-    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-    atomic_write_json(args.out, result)
-    print(json.dumps({k: v for k, v in result.items() if k != "setup"}))
+    _write_result(args.out, result)
     return result
 
 
