@@ -21,6 +21,7 @@ from absl import flags
 
 from sparrow_jax.run.cli import config_main, define_config_flag
 
+
 def fixed_budget_trend(table: dict) -> dict:
     """For each budget: p5 and mean in the first and last bin with tokens (the acceptance check:
     p5 falls with position while the mean stays near 1)."""
