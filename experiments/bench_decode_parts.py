@@ -13,7 +13,11 @@ random caches of ``--context`` tokens per row, then times, per decode step over 
 * ``loop_dense`` / ``loop_sparse``: the sampler's jitted while loop, per step;
 * ``generate_dense`` / ``generate_sparse``: :func:`generate` (decode time only), per step.
 
-``--hlo_dir`` writes the optimised HLO of the two jitted steps (look for ``copy`` of the cache
+Every part but ``generate_*`` runs twice untimed, then the parts alternate ``--repeats`` times
+(:func:`sparrow_jax.run.speed.alternate`); each figure is its median. ``generate_*``: one
+timed run each after an untimed one.
+
+``--hlo_dir`` writes the optimised HLO of the jitted steps and loops (look for ``copy`` of the cache
 to find accidental whole-cache copies). The last stdout line is JSON (milliseconds per step).
 """
 from __future__ import annotations
