@@ -32,19 +32,20 @@ The last stdout line is ``{"results": [...]}``, also written to runs/bench/bench
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
-import time
-from typing import Callable, Dict, List
+from typing import Callable, Dict, List, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from absl import flags
 
 from sparrow_jax.attention import (IMPLEMENTATIONS, dense_decode, dense_decode_dispatch, group_mean_query,
                                    page_metadata, resolve_impl, score_select_decode, sparse_decode,
                                    sparse_decode_xla)
+from sparrow_jax.run.cli import parse_flags
+from sparrow_jax.run.speed import alternate, seconds
 
 BATCH, HEADS, KV_HEADS, HEAD_DIM, PAGE = 8, 8, 2, 64, 16
 BUDGET_TOKENS, RESERVED_FIRST, RESERVED_LAST = 1024, 1, 2
@@ -103,23 +104,21 @@ def looped(step: Callable, num_steps: int) -> Callable:
 
 def time_interleaved(fns: Dict[str, Callable], args: tuple, repeats: int, flush: bool,
                      per_call: int = 1) -> Dict[str, List[float]]:
-    """Warm up every fn, then time them round-robin; seconds per call / ``per_call`` per fn.
+    """Two untimed calls of every fn, then ``repeats`` alternating rounds (:func:`alternate`);
+    seconds per call / ``per_call`` per fn.
 
-    flush: stream a buffer larger than the last-level cache before every timed call (not timed).
+    flush: stream a buffer larger than the last-level cache before every call (not timed).
     """
     buf = jnp.zeros((FLUSH_BYTES // 4,), jnp.float32) if flush else None
-    for fn in fns.values():
-        for _ in range(2):
-            jax.block_until_ready(fn(*args))
-    times: Dict[str, List[float]] = {name: [] for name in fns}
-    for _ in range(repeats):
-        for name, fn in fns.items():
+
+    def timed(fn: Callable) -> Callable[[], float]:
+        def run() -> float:
             if flush:
                 jax.block_until_ready(_touch(buf))
-            start = time.perf_counter()
-            jax.block_until_ready(fn(*args))
-            times[name].append((time.perf_counter() - start) / per_call)
-    return times
+            return seconds(lambda: fn(*args)) / per_call
+        return run
+
+    return alternate({name: timed(fn) for name, fn in fns.items()}, repeats, warmup=2)
 
 
 def make_layer(length: int, seed: int, batch: int = BATCH):
@@ -186,19 +185,20 @@ def bench_context(length: int, repeats: int, mode: str = "loop", layers: int = 4
             "impl": resolve_impl(impl), "dense_impl": "cpu" if resolve_impl(impl) == "cpu" else "xla", "repeats": repeats, "mode": mode, **({"layers": layers, "steps": steps} if mode == "loop" else {})}
 
 
-def main(argv=None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--contexts", type=int, nargs="+", default=[4096, 16384, 32768])
-    parser.add_argument("--repeats", type=int, default=30)
-    parser.add_argument("--mode", choices=("loop", "call"), default="loop")
-    parser.add_argument("--layers", type=int, default=4, help="loop mode: distinct caches per round")
-    parser.add_argument("--steps", type=int, default=4, help="loop mode: rounds per timed call")
-    parser.add_argument("--batch", type=int, default=BATCH, help="rows (GPUs need many to be memory-bound)")
-    parser.add_argument("--impl", default="auto", choices=IMPLEMENTATIONS,
-                        help="sparse attention implementation "
-                             "(auto: Pallas on GPU/TPU; on CPU the C++ kernel, XLA without a compiler)")
-    parser.add_argument("--out", default=OUT_PATH)
-    args = parser.parse_args(argv)
+def define_flags(fv: flags.FlagValues) -> None:
+    flags.DEFINE_multi_integer("contexts", [4096, 16384, 32768], "cache lengths (one or more)", flag_values=fv)
+    flags.DEFINE_integer("repeats", 30, "timed calls per step (alternating)", lower_bound=1, flag_values=fv)
+    flags.DEFINE_enum("mode", "loop", ["loop", "call"], "timing mode (module docstring)", flag_values=fv)
+    flags.DEFINE_integer("layers", 4, "loop mode: distinct caches per round", lower_bound=1, flag_values=fv)
+    flags.DEFINE_integer("steps", 4, "loop mode: rounds per timed call", lower_bound=1, flag_values=fv)
+    flags.DEFINE_integer("batch", BATCH, "rows (GPUs need many to be memory-bound)", lower_bound=1, flag_values=fv)
+    flags.DEFINE_enum("impl", "auto", IMPLEMENTATIONS, "sparse attention implementation "
+                      "(auto: Pallas on GPU/TPU; on CPU the C++ kernel, XLA without a compiler)", flag_values=fv)
+    flags.DEFINE_string("out", OUT_PATH, "where to write the JSON summary", flag_values=fv)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> dict:
+    args, _ = parse_flags(define_flags, argv, __doc__)
     load_start = os.getloadavg()[0]
     results = []
     for length in args.contexts:

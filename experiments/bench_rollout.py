@@ -10,27 +10,31 @@ prefill is timed and reported separately. Final stdout line is JSON, also writte
 
     python -m experiments.bench_rollout [--batch 4 --prompt_len 8192 --gen_len 1024]
 
-Method: one compile run each of dense and sparse ``generate`` (timings discarded), then
-the measured dense and sparse runs back to back (so machine load hits both alike), then
-HF. HF is timed per decode step inside ``generate`` (see :func:`_hf`), not as the
-difference of two separately timed runs, which a noisy prefill can swamp. The JSON also
-records the 1-minute load average at the start and end and the wall time.
+Method: dense then sparse ``generate`` back to back (so machine load hits both alike), each
+rerun until a run compiles nothing (the first compiles; its timing is discarded), then HF.
+HF is timed per decode step inside ``generate`` (see :func:`_hf`), not as the difference of
+two separately timed runs, which a noisy prefill can swamp. The JSON also records the 1-minute
+load average at the start and end and the wall time.
 """
 from __future__ import annotations
 
-import argparse
+import functools
 import json
 import os
 import tempfile
 import time
+from typing import Optional, Sequence
 
 import jax
 import numpy as np
+from absl import flags
 
 from sparrow_jax.attention import IMPLEMENTATIONS, resolve_impl
 from sparrow_jax.io import atomic_write_json
 from sparrow_jax.models import Qwen3Config, init_params, save_hf
 from sparrow_jax.rollout import SamplingParams, SparsitySchedule, generate, generate_continuous
+from sparrow_jax.run.cli import parse_flags
+from sparrow_jax.run.speed import alternate
 
 BENCH_MODEL = Qwen3Config(vocab_size=512, hidden_size=256, num_hidden_layers=4, num_attention_heads=8,
                           num_key_value_heads=2, head_dim=64, intermediate_size=768,
@@ -42,6 +46,17 @@ def _ours(params, prompts, gen_len, schedule, impl="auto"):
     sampling = SamplingParams(max_new_tokens=gen_len, temperature=0.0)
     out = generate(BENCH_MODEL, params, prompts, jax.random.PRNGKey(0), sampling, schedule=schedule, impl=impl)
     return out.stats["decode_tokens"] / out.stats["decode_s"], out.stats["prefill_s"], out
+
+
+def _measured(params, prompts, gen_len, schedule, impl="auto"):
+    """``_ours`` rerun until a run compiles nothing (at most 3 runs): a run that compiled is not a
+    measurement. (On an H200 with jax 0.11 the first Pallas GPU lowering made every earlier jit
+    miss its cache once.)"""
+    for _ in range(3):
+        tok_s, prefill_s, out = _ours(params, prompts, gen_len, schedule, impl)
+        if out.stats["compiles"] == 0:
+            break
+    return tok_s, prefill_s, out
 
 
 def _hf(params, prompts, gen_len, threads, device="cpu", block=32, probe_blocks=2, skip_steps=4):
@@ -96,29 +111,34 @@ def _hf(params, prompts, gen_len, threads, device="cpu", block=32, probe_blocks=
     return max(per_threads.values()), prefill_s, per_threads
 
 
-def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--batch", type=int, default=None, help="rows at a time (default 4; --ragged 8)")
-    ap.add_argument("--prompt_len", type=int, default=None, help="default 8192; --ragged 2048")
-    ap.add_argument("--gen_len", type=int, default=None, help="default 1024; --ragged: the longest completion, 768")
-    ap.add_argument("--budget_tokens", type=int, default=None,
-                    help="sparse KV budget incl. reserved pages (default 1024; --ragged 512)")
-    ap.add_argument("--page_size", type=int, default=16)
-    ap.add_argument("--skip_hf", action="store_true")
-    ap.add_argument("--impl", default="auto", choices=IMPLEMENTATIONS,
-                    help="sparse attention implementation "
-                         "(auto: Pallas on GPU/TPU; on CPU the C++ kernel, XLA without a compiler)")
-    ap.add_argument("--hf_device", default="auto", help="torch device for HF (auto: cuda when JAX runs on GPU)")
-    ap.add_argument("--out", default="runs/bench/bench_rollout.json")
-    ap.add_argument("--ragged", action="store_true", help="long-tailed completion lengths, both engines, peers")
-    ap.add_argument("--prompts", type=int, default=8, help="--ragged: distinct prompts")
-    ap.add_argument("--group", type=int, default=4, help="--ragged: samples per prompt (G)")
-    ap.add_argument("--median_len", type=int, default=96, help="--ragged: median completion length")
-    ap.add_argument("--sigma", type=float, default=1.0, help="--ragged: lognormal sigma of completion lengths")
-    ap.add_argument("--skip_tunix", action="store_true")
-    ap.add_argument("--model", default="bench", help="--ragged: 'bench' or a Qwen3 preset (random bf16 weights)")
-    ap.add_argument("--preset", default=None, help="--ragged: a paper schedule preset instead of --budget_tokens")
-    args = ap.parse_args(argv)
+def define_flags(fv: flags.FlagValues) -> None:
+    def integer(name, default, help_text):
+        flags.DEFINE_integer(name, default, help_text, lower_bound=1, flag_values=fv)
+
+    integer("batch", None, "rows at a time (default 4; --ragged 8)")
+    integer("prompt_len", None, "default 8192; --ragged 2048")
+    integer("gen_len", None, "default 1024; --ragged: the longest completion, 768")
+    integer("budget_tokens", None, "sparse KV budget incl. reserved pages (default 1024; --ragged 512)")
+    integer("page_size", 16, "tokens per page")
+    flags.DEFINE_bool("skip_hf", False, "do not time HF transformers", flag_values=fv)
+    flags.DEFINE_enum("impl", "auto", IMPLEMENTATIONS, "sparse attention implementation "
+                      "(auto: Pallas on GPU/TPU; on CPU the C++ kernel, XLA without a compiler)", flag_values=fv)
+    flags.DEFINE_string("hf_device", "auto", "torch device for HF (auto: cuda when JAX runs on GPU)", flag_values=fv)
+    flags.DEFINE_string("out", "runs/bench/bench_rollout.json", "where to write the JSON summary", flag_values=fv)
+    flags.DEFINE_bool("ragged", False, "long-tailed completion lengths, both engines, peers", flag_values=fv)
+    integer("prompts", 8, "--ragged: distinct prompts")
+    integer("group", 4, "--ragged: samples per prompt (G)")
+    integer("median_len", 96, "--ragged: median completion length")
+    flags.DEFINE_float("sigma", 1.0, "--ragged: lognormal sigma of completion lengths", flag_values=fv)
+    flags.DEFINE_bool("skip_tunix", False, "--ragged: do not time tunix's sampler", flag_values=fv)
+    flags.DEFINE_string("model", "bench", "--ragged: 'bench' or a Qwen3 preset (random bf16 weights)",
+                        flag_values=fv)
+    flags.DEFINE_string("preset", None, "--ragged: a paper schedule preset instead of --budget_tokens",
+                        flag_values=fv)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> dict:
+    args, _ = parse_flags(define_flags, argv, __doc__)
     defaults = dict(batch=8, prompt_len=2048, gen_len=768, budget_tokens=512) if args.ragged else dict(
         batch=4, prompt_len=8192, gen_len=1024, budget_tokens=1024)
     for name, value in defaults.items():
@@ -134,22 +154,12 @@ def main(argv=None):
                                                    dense_layers=(), name=f"fixed-{args.budget_tokens}")
     load_start = os.getloadavg()[0]
     t_start = time.perf_counter()
-    for mode in (None, schedule):  # compile runs (timings discarded)
-        _ours(params, prompts, args.gen_len, mode, args.impl)
-
-    def measured(name, mode):
-        # A run that compiled is not a measurement: rerun it. (On an H200 with jax 0.11 the
-        # first Pallas GPU lowering made every earlier jit miss its cache once.)
-        for _ in range(3):
-            tok_s, prefill_s, out = _ours(params, prompts, args.gen_len, mode, args.impl)
-            print(f"{name}: {tok_s:.1f} tok/s decode, prefill {prefill_s:.2f}s, {out.stats}", flush=True)
-            if out.stats["compiles"] == 0:
-                break
-        return tok_s, prefill_s, out
-
-    # Measured runs back to back, dense then sparse, so machine load hits both alike.
-    dense_tok_s, dense_prefill_s, dense_out = measured("dense", None)
-    sparse_tok_s, sparse_prefill_s, sparse_out = measured("sparse", schedule)
+    sides = {name: functools.partial(_measured, params, prompts, args.gen_len, mode, args.impl)
+             for name, mode in (("dense", None), ("sparse", schedule))}
+    timed = alternate(sides, repeats=1, warmup=0)  # _measured's reruns are the warm-up
+    for name, ((tok_s, prefill_s, out),) in timed.items():
+        print(f"{name}: {tok_s:.1f} tok/s decode, prefill {prefill_s:.2f}s, {out.stats}", flush=True)
+    ((dense_tok_s, dense_prefill_s, dense_out),), ((sparse_tok_s, sparse_prefill_s, sparse_out),) = timed.values()
     agree = float(np.mean(dense_out.tokens[dense_out.completion_mask] == sparse_out.tokens[sparse_out.completion_mask]))
     result = {"dense_tok_s": round(dense_tok_s, 2), "sparse_tok_s": round(sparse_tok_s, 2),
               "compiles_in_measured_runs": dense_out.stats["compiles"] + sparse_out.stats["compiles"]}
@@ -176,10 +186,15 @@ def main(argv=None):
                              budget_tokens=args.budget_tokens, page_size=args.page_size,
                              backend=jax.default_backend(), impl=resolve_impl(args.impl),
                              hf_device=None if args.skip_hf else hf_device, model=BENCH_MODEL.to_hf_dict()))
-    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-    atomic_write_json(args.out, result)
-    print(json.dumps({k: v for k, v in result.items() if k != "setup"}))
+    _write_result(args.out, result)
     return result
+
+
+def _write_result(path: str, result: dict) -> None:
+    """``result`` to ``path`` (atomically) and, without its setup, as the last stdout line."""
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    atomic_write_json(path, result)
+    print(json.dumps({k: v for k, v in result.items() if k != "setup"}))
 
 
 def ragged_lengths(num: int, median: int, sigma: float, max_len: int, seed: int = 0) -> np.ndarray:
@@ -199,20 +214,19 @@ def cache_bytes(config: Qwen3Config, batch: int, max_len: int, page: int, with_m
 def _fixed_batches(config, params, prompts, lengths, batch, schedule, impl):
     """The fixed-batch sampler over ``batch``-row chunks, each run until its longest request.
 
-    Returns (seconds, peak cache bytes, compiles). A row's useful tokens are its own length;
-    the steps it runs past it are the waste this engine pays.
+    Returns (seconds, {"peak_cache_bytes"}). A row's useful tokens are its own length; the steps
+    it runs past it are the waste this engine pays.
     """
-    seconds, peak, compiles = 0.0, 0, 0
+    seconds, peak = 0.0, 0
     for i in range(0, len(prompts), batch):
         chunk, steps = prompts[i:i + batch], int(lengths[i:i + batch].max())
         start = time.perf_counter()
         out = generate(config, params, chunk, jax.random.PRNGKey(0),
                        SamplingParams(max_new_tokens=steps, temperature=0.0), schedule=schedule, impl=impl)
         seconds += time.perf_counter() - start
-        compiles += out.stats["compiles"]
         peak = max(peak, cache_bytes(config, len(chunk), out.tokens.shape[1],
                                      schedule.page_size if schedule is not None else 16))
-    return seconds, peak, compiles
+    return seconds, {"peak_cache_bytes": peak}
 
 
 def _new_engine(config, params, prompts, lengths, batch, schedule, impl):
@@ -227,6 +241,38 @@ def _new_engine(config, params, prompts, lengths, batch, schedule, impl):
     return seconds, out.stats
 
 
+def _fixed_steps(lengths: np.ndarray, batch: int) -> int:
+    """Decode steps of fixed batches of ``batch`` requests, each run to its longest request."""
+    return int(sum(lengths[i:i + batch].max() for i in range(0, len(lengths), batch)))
+
+
+def _ragged_peers(args, params, prompts, lengths) -> dict:
+    """HF's and tunix's useful tokens/s on the ragged batch (unless skipped): fixed batches as the
+    ``fixed`` engine pays them, each chunk costing a prefill plus its longest request's decode
+    steps, from a measured prefill and step time (HF: per-step stamps over chunk 0; tunix: two
+    warm runs of different lengths, its decode attends the whole cache every step)."""
+    chunks, useful = -(-len(prompts) // args.batch), int(lengths.sum())
+
+    def peer_tok_s(prefill_s, step_s):
+        return useful / (chunks * prefill_s + _fixed_steps(lengths, args.batch) * step_s)
+
+    out = {}
+    if not args.skip_hf:
+        hf_tok_s, hf_prefill_s, _ = _hf(params, prompts[:args.batch], int(lengths[:args.batch].max()),
+                                        sorted({1, os.cpu_count() or 1}))
+        out["hf_tok_s"] = round(peer_tok_s(hf_prefill_s, args.batch / hf_tok_s), 2)
+        print(f"hf: {out['hf_tok_s']} useful tok/s (prefill {hf_prefill_s:.2f}s, decode {hf_tok_s:.1f} tok/s)")
+    if not args.skip_tunix:
+        from experiments.tunix_peer import TunixPeer
+
+        peer = TunixPeer(BENCH_MODEL, params, args.batch, args.prompt_len + 8 + int(lengths.max()))
+        prefill_s, step_s = peer.timing(prompts[:args.batch], 8, 8 + min(64, int(lengths.max())))
+        out["tunix_tok_s"] = round(peer_tok_s(prefill_s, step_s), 2)
+        out["tunix_timing"] = {"prefill_s": round(prefill_s, 3), "step_ms": round(step_s * 1e3, 3)}
+        print(f"tunix: {out['tunix_tok_s']} useful tok/s (prefill {prefill_s:.2f}s, step {step_s * 1e3:.1f} ms)")
+    return out
+
+
 def ragged_main(args) -> dict:
     """Useful (non-padding) generated tokens/s on a GRPO-like batch with long-tailed lengths.
 
@@ -239,18 +285,14 @@ def ragged_main(args) -> dict:
       its longest request (what a fixed-batch sampler pays for stop tokens at those places);
     * new: ``generate_continuous`` with ``max_slots=--batch`` (refills, group prefill shared,
       pooled pages);
-    * HF ``generate`` and tunix's sampler: fixed batches as ``fixed``, their time per chunk
-      from a measured prefill and decode step time (HF: per-step stamps over chunk 0; tunix:
-      two warm runs of different lengths, its decode attends the whole cache every step).
+    * HF ``generate`` and tunix's sampler (:func:`_ragged_peers`).
 
-    Every timed engine ran once before (compiles excluded). Useful tokens = sum of lengths.
+    Every timed engine ran once before (compiles excluded; :func:`alternate`). Useful tokens = sum of lengths.
     ``--model Qwen3-1.7B`` (random bf16 weights) and ``--preset`` (a paper schedule) are the
     accelerator setting; peers then run only with ``--model bench``.
     """
-    config = BENCH_MODEL
-    if args.model != "bench":
-        config = Qwen3Config.preset(args.model, dtype="bfloat16", param_dtype="bfloat16")
-        args.skip_hf = args.skip_tunix = True
+    bench_model = args.model == "bench"
+    config = BENCH_MODEL if bench_model else Qwen3Config.preset(args.model, dtype="bfloat16", param_dtype="bfloat16")
     params = init_params(config, seed=0)
     rng = np.random.RandomState(0)
     distinct = [list(rng.randint(3, config.vocab_size, args.prompt_len)) for _ in range(args.prompts)]
@@ -264,41 +306,19 @@ def ragged_main(args) -> dict:
                                                        dense_layers=(), name=f"fixed-{args.budget_tokens}")
     load_start = os.getloadavg()[0]
     t_start = time.perf_counter()
-    result = {"useful_tokens": useful}
     engines = {"fixed": _fixed_batches, "new": _new_engine}
-    for mode_name, mode in (("dense", None), ("sparse", schedule)):
-        for engine_name, run in engines.items():
-            run(config, params, prompts, lengths, args.batch, mode, args.impl)  # compile run
-            out = run(config, params, prompts, lengths, args.batch, mode, args.impl)
-            seconds = out[0]
-            name = f"{engine_name}_{mode_name}"
-            result[f"{name}_tok_s"] = round(useful / seconds, 2)
-            if engine_name == "fixed":
-                result.setdefault("peak_cache_bytes", {})[name] = out[1]
-            else:
-                result.setdefault("peak_cache_bytes", {})[name] = out[1]["peak_cache_bytes"]
-                result.setdefault("peak_live_cache_bytes", {})[name] = out[1]["peak_live_cache_bytes"]
-                result.setdefault("slot_steps", {})[name] = out[1]["slot_steps"]
-            print(f"{name}: {useful / seconds:.1f} useful tok/s ({seconds:.1f}s)", flush=True)
-    chunks = [lengths[i:i + args.batch] for i in range(0, len(prompts), args.batch)]
-    fixed_steps = int(sum(c.max() for c in chunks))
-
-    def peer_tok_s(prefill_s, step_s):
-        return useful / (len(chunks) * prefill_s + fixed_steps * step_s)
-
-    if not args.skip_hf:
-        hf_tok_s, hf_prefill_s, _ = _hf(params, prompts[:args.batch], int(chunks[0].max()),
-                                        sorted({1, os.cpu_count() or 1}))
-        result["hf_tok_s"] = round(peer_tok_s(hf_prefill_s, args.batch / hf_tok_s), 2)
-        print(f"hf: {result['hf_tok_s']} useful tok/s (prefill {hf_prefill_s:.2f}s, decode {hf_tok_s:.1f} tok/s)")
-    if not args.skip_tunix:
-        from experiments.tunix_peer import TunixPeer
-
-        peer = TunixPeer(BENCH_MODEL, params, args.batch, args.prompt_len + 8 + int(lengths.max()))
-        prefill_s, step_s = peer.timing(prompts[:args.batch], 8, 8 + min(64, int(lengths.max())))
-        result["tunix_tok_s"] = round(peer_tok_s(prefill_s, step_s), 2)
-        result["tunix_timing"] = {"prefill_s": round(prefill_s, 3), "step_ms": round(step_s * 1e3, 3)}
-        print(f"tunix: {result['tunix_tok_s']} useful tok/s (prefill {prefill_s:.2f}s, step {step_s * 1e3:.1f} ms)")
+    sides = {f"{engine_name}_{mode_name}": functools.partial(run, config, params, prompts, lengths, args.batch,
+                                                             mode, args.impl)
+             for mode_name, mode in (("dense", None), ("sparse", schedule)) for engine_name, run in engines.items()}
+    result = {"useful_tokens": useful}
+    for name, ((seconds, stats),) in alternate(sides, repeats=1).items():  # the untimed first runs compile
+        result[f"{name}_tok_s"] = round(useful / seconds, 2)
+        for key in ("peak_cache_bytes", "peak_live_cache_bytes", "slot_steps"):
+            if key in stats:
+                result.setdefault(key, {})[name] = stats[key]
+        print(f"{name}: {useful / seconds:.1f} useful tok/s ({seconds:.1f}s)", flush=True)
+    if bench_model:  # the peers are built for BENCH_MODEL
+        result.update(_ragged_peers(args, params, prompts, lengths))
     result["new_over_fixed"] = {m: round(result[f"new_{m}_tok_s"] / result[f"fixed_{m}_tok_s"], 3)
                                 for m in ("dense", "sparse")}
     result["sparse_over_dense"] = {e: round(result[f"{e}_sparse_tok_s"] / result[f"{e}_dense_tok_s"], 3)
@@ -313,12 +333,10 @@ def ragged_main(args) -> dict:
                   setup=dict(requests=len(prompts), group=args.group, prompt_len=args.prompt_len, batch=args.batch,
                              lengths=dict(dist="lognormal", median=args.median_len, sigma=args.sigma,
                                           max=args.gen_len, mean=round(float(lengths.mean()), 1),
-                                          fixed_steps=fixed_steps),
+                                          fixed_steps=_fixed_steps(lengths, args.batch)),
                              budget_tokens=args.budget_tokens, schedule=schedule.name, model=args.model,
                              backend=jax.default_backend(), impl=resolve_impl(args.impl)))
-    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-    atomic_write_json(args.out, result)
-    print(json.dumps({k: v for k, v in result.items() if k != "setup"}))
+    _write_result(args.out, result)
     return result
 
 

@@ -33,9 +33,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from absl import flags
-from ml_collections import config_flags
 
-from sparrow_jax.run.cli import config_main
+from sparrow_jax.run.cli import config_main, define_config_flag
 
 
 def checkpoint_params(workdir: str, like) -> Optional[dict]:
@@ -130,8 +129,8 @@ def report(summary: dict) -> None:
 
 
 def _cli() -> None:
-    # Flags are defined here, not at import: tests import this module beside other flag owners.
-    config = config_flags.DEFINE_config_file("config", None, "run config file (configs/*.py)", lock_config=True)
+    # flags defined at the start, not at import (define_config_flag says why)
+    config = define_config_flag()
     repeats = flags.DEFINE_integer("repeats", 7, "timed runs per side (alternating)")
     num_prompts = flags.DEFINE_integer("num_prompts", 8, "held-out prompts")
     samples = flags.DEFINE_integer("samples", 2, "rows per prompt")

@@ -21,19 +21,21 @@ sides, their ratio per length and ``fast_fraction_of_peak``.
 """
 from __future__ import annotations
 
-import argparse
 import json
-import time
+from typing import Optional, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from absl import flags
 
 from sparrow_jax.models.config import Qwen3Config
 from sparrow_jax.models.forward import dense_hidden
 from sparrow_jax.models.qwen3 import init_params
 from sparrow_jax.rl.train_step import Batch, StepOptions, init_train_state, make_optimizer, train_step
 from sparrow_jax.rollout import SparsitySchedule
+from sparrow_jax.run.cli import parse_flags
+from sparrow_jax.run.speed import alternate, seconds
 
 SIDES = {"reference": "reference", "fast": "auto"}
 PROMPT_SHARE = 888 / 1592  # the quickstart's prompt / row length
@@ -80,14 +82,8 @@ def matmul_peak_gflops(size: int, repeats: int = 5) -> float:
     a = jax.random.normal(jax.random.PRNGKey(0), (size, size), jnp.float32)
     mm = jax.jit(lambda x, y: x @ y)
     jax.block_until_ready(mm(a, a))
-    best = min(_timed(lambda: mm(a, a)) for _ in range(repeats))
+    best = min(seconds(lambda: mm(a, a)) for _ in range(repeats))
     return 2 * size ** 3 / best / 1e9
-
-
-def _timed(fn) -> float:
-    t0 = time.perf_counter()
-    jax.block_until_ready(fn())
-    return time.perf_counter() - t0
 
 
 def _train_step_runner(config, schedule, rows, length, impl, seed=0):
@@ -107,7 +103,7 @@ def _train_step_runner(config, schedule, rows, length, impl, seed=0):
     def run():
         state = init_train_state(jax.tree.map(jnp.copy, params), optimizer)
         jax.block_until_ready(state)
-        return _timed(lambda: train_step(state, batch, config=config, optimizer=optimizer, schedule=schedule,
+        return seconds(lambda: train_step(state, batch, config=config, optimizer=optimizer, schedule=schedule,
                                          opts=opts)[2])
     return run
 
@@ -118,7 +114,7 @@ def _layer_runner(config, rows, length, impl, seed=0):
     tokens = jnp.asarray(r.randint(0, config.vocab_size, (rows, length)), jnp.int32)
     params = init_params(config, seed)
     grad = jax.jit(jax.grad(lambda p: jnp.sum(dense_hidden(config, p, tokens, impl=impl).astype(jnp.float32))))
-    return lambda: _timed(lambda: grad(params))
+    return lambda: seconds(lambda: grad(params))
 
 
 def measure(lengths, repeats: int, tokens_per_step: int, topk: int, model: str = "", layers: int = 1,
@@ -138,12 +134,7 @@ def measure(lengths, repeats: int, tokens_per_step: int, topk: int, model: str =
             schedule = SparsitySchedule(topk=(topk,), **layout)
             flops = step_flops(config, rows, length, schedule)
             runners = {side: _train_step_runner(config, schedule, rows, length, impl) for side, impl in SIDES.items()}
-        times = {side: [] for side in SIDES}
-        for run in runners.values():
-            run()  # compile
-        for _ in range(repeats):  # alternated, so load from other processes hits both sides alike
-            for side, run in runners.items():
-                times[side].append(run())
+        times = alternate(runners, repeats)  # the untimed first call compiles
         entry = {"length": length, "rows": rows, "gflop": flops / 1e9}
         for side, ts in times.items():
             median = float(np.median(ts))
@@ -162,19 +153,18 @@ def measure(lengths, repeats: int, tokens_per_step: int, topk: int, model: str =
             "results": results}
 
 
-def main(argv=None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--lengths", type=int, nargs="+", default=[1536, 4096, 8192], help="tokens per row")
-    parser.add_argument("--repeats", type=int, default=3, help="timed runs per side (alternating)")
-    parser.add_argument("--tokens_per_step", type=int, default=16 * 1536, help="rows = this // length")
-    parser.add_argument("--topk", type=int, default=32, help="sparse scorer's top-k pages (quickstart budgets 16-80)")
-    parser.add_argument("--model", default="", help="a Qwen3 preset (e.g. Qwen3-1.7B): time its layers instead")
-    parser.add_argument("--layers", type=int, default=1, help="layers of --model")
-    parser.add_argument("--peak_size", type=int, default=2048, help="side of the matmul timed for the peak")
-    args = parser.parse_args(argv)
-    for name in ("repeats", "tokens_per_step", "layers", "peak_size"):
-        if getattr(args, name) < 1:
-            parser.error(f"--{name} must be >= 1, got {getattr(args, name)}")
+def define_flags(fv: flags.FlagValues) -> None:
+    flags.DEFINE_multi_integer("lengths", [1536, 4096, 8192], "tokens per row (one or more)", flag_values=fv)
+    flags.DEFINE_integer("repeats", 3, "timed runs per side (alternating)", lower_bound=1, flag_values=fv)
+    flags.DEFINE_integer("tokens_per_step", 16 * 1536, "rows = this // length", lower_bound=1, flag_values=fv)
+    flags.DEFINE_integer("topk", 32, "sparse scorer's top-k pages (quickstart budgets 16-80)", flag_values=fv)
+    flags.DEFINE_string("model", "", "a Qwen3 preset (e.g. Qwen3-1.7B): time its layers instead", flag_values=fv)
+    flags.DEFINE_integer("layers", 1, "layers of --model", lower_bound=1, flag_values=fv)
+    flags.DEFINE_integer("peak_size", 2048, "side of the matmul timed for the peak", lower_bound=1, flag_values=fv)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> dict:
+    args, _ = parse_flags(define_flags, argv, __doc__)
     summary = measure(args.lengths, args.repeats, args.tokens_per_step, args.topk, args.model, args.layers,
                       args.peak_size)
     print(json.dumps(summary))

@@ -18,12 +18,8 @@ import json
 
 import numpy as np
 from absl import flags
-from ml_collections import config_flags
 
-from sparrow_jax.run.cli import config_main
-
-_CONFIG = config_flags.DEFINE_config_file("config", None, "run config file (configs/*.py)", lock_config=True)
-_FORCE = flags.DEFINE_bool("force", False, "replace the schedule and calibration of a run in --config.workdir")
+from sparrow_jax.run.cli import config_main, define_config_flag
 
 
 def fixed_budget_trend(table: dict) -> dict:
@@ -40,11 +36,11 @@ def fixed_budget_trend(table: dict) -> dict:
     return out
 
 
-def main(spec):
+def main(spec, force: bool = False) -> None:
     from sparrow_jax.mismatch.calibrate import format_report  # deferred: keeps --help fast
     from sparrow_jax.run.calibration import calibrate_run, check_calibration_target
 
-    check_calibration_target(spec.workdir, _FORCE.value)  # before the model is built: refusing is instant
+    check_calibration_target(spec.workdir, force)  # before the model is built: refusing is instant
     result = calibrate_run(spec)
     print(format_report(result))
     trend = fixed_budget_trend(result["table"])
@@ -59,5 +55,12 @@ def main(spec):
                           schedule_path=result["schedule_path"])))
 
 
+def _cli() -> None:
+    # flags defined at the start, not at import (define_config_flag says why)
+    config = define_config_flag()
+    force = flags.DEFINE_bool("force", False, "replace the schedule and calibration of a run in --config.workdir")
+    config_main(config, lambda spec: main(spec, force.value))
+
+
 if __name__ == "__main__":
-    config_main(_CONFIG, main)
+    _cli()

@@ -13,17 +13,18 @@ probabilities, f32 accumulation). The last stdout line is JSON with every case.
 """
 from __future__ import annotations
 
-import argparse
 import json
-import time
-from typing import Optional
+from typing import Optional, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from absl import flags
 
 from sparrow_jax.attention import group_mean_query, page_metadata, score_pages, select_pages, sparse_decode
 from sparrow_jax.attention.decode import resolve_impl
+from sparrow_jax.run.cli import parse_flags
+from sparrow_jax.run.speed import seconds
 
 TOLERANCE = {"float32": 1e-5, "bfloat16": 2e-2}
 # (batch, query heads, KV heads, head_dim, context tokens): the benchmark's shape and a
@@ -124,23 +125,22 @@ def check_case(impl: str, shape: tuple, dtype_name: str, seed: int = 0, time_it:
            "tolerance": TOLERANCE[dtype_name],
            "selected_pages_per_head": float(np.asarray(case["page_valid"]).sum(-1).mean())}
     row["ok"] = bool(err <= row["tolerance"] and err_full <= row["tolerance"])
-    if time_it:
-        times = []
-        for _ in range(20):
-            start = time.perf_counter()
-            jax.block_until_ready(fn(*args))
-            times.append(time.perf_counter() - start)
+    if time_it:  # compiled above
+        times = [seconds(lambda: fn(*args)) for _ in range(20)]
         row["median_ms"] = round(float(np.median(times)) * 1e3, 4)
     return row
 
 
-def main(argv: Optional[list] = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--impls", nargs="+", default=["auto", "xla", "reference"])
-    parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
-    parser.add_argument("--small", action="store_true", help="tiny shapes (CPU / interpreter)")
-    parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args(argv)
+def define_flags(fv: flags.FlagValues) -> None:
+    flags.DEFINE_multi_string("impls", ["auto", "xla", "reference"], "implementations to check (one or more)",
+                              flag_values=fv)
+    flags.DEFINE_multi_string("dtypes", ["float32", "bfloat16"], "cache dtypes (one or more)", flag_values=fv)
+    flags.DEFINE_bool("small", False, "tiny shapes (CPU / interpreter)", flag_values=fv)
+    flags.DEFINE_integer("seed", 0, "seed of the random cases", flag_values=fv)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> dict:
+    args, _ = parse_flags(define_flags, argv, __doc__)
     shapes = SMALL_SHAPES if args.small else SHAPES
     rows = []
     for impl in args.impls:

@@ -12,7 +12,6 @@ same column, after any comment lines right above the field. No model is built, n
 """
 from __future__ import annotations
 
-import argparse
 import ast
 import dataclasses
 import io
@@ -22,10 +21,12 @@ import sys
 import tokenize
 from typing import Any, Iterator
 
+from absl import flags
 from ml_collections import ConfigDict
 
 from configs import common
 from sparrow_jax.run import specs
+from sparrow_jax.run.cli import parse_flags
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SOURCE = os.path.join(ROOT, "configs", "common.py")
@@ -332,11 +333,13 @@ def first_difference(old: str, new: str) -> str:
     return f"the file has {len(a)} lines, the generator gives {len(b)}"
 
 
+def define_flags(fv: flags.FlagValues) -> None:
+    flags.DEFINE_bool("check", False, "exit 1 when docs/configs.md differs from the output", flag_values=fv)
+    flags.DEFINE_string("out", DOC, "the file to write or check", flag_values=fv)
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--check", action="store_true", help="exit 1 when docs/configs.md differs from the output")
-    parser.add_argument("--out", default=DOC, help="the file to write or check")
-    args = parser.parse_args(argv)
+    args, _ = parse_flags(define_flags, argv, __doc__)
     text = render()
     if args.check:
         old = open(args.out, encoding="utf-8").read() if os.path.exists(args.out) else None

@@ -11,14 +11,16 @@ predicted / measured.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
 from typing import Any
 
+from absl import flags
+
 from sparrow_jax import cost_model as cm
 from sparrow_jax.models.config import Qwen3Config
+from sparrow_jax.run.cli import parse_flags
 
 # Table 2 (4xH200, AIME24, 32K cutoff, tau = 0.86 schedules): measured rollout speedup.
 PAPER_TABLE2 = {"Qwen3-1.7B": 2.21, "Qwen3-4B": 2.41, "Qwen3-8B": 2.06, "Qwen3-14B": 1.49}
@@ -75,22 +77,24 @@ def cpu_row(hardware: cm.Hardware, bench_json: str, combine: str) -> dict[str, A
     return row
 
 
+def define_flags(fv: flags.FlagValues) -> None:
+    flags.DEFINE_enum("hardware", "H200", [k for k in cm.HARDWARE if k != "cpu"], "accelerator for the paper rows",
+                      flag_values=fv)
+    flags.DEFINE_string("tau", "0.86", "paper schedule target (preset suffix)", flag_values=fv)
+    flags.DEFINE_integer("num_samples", 8, "concurrent sequences per device", flag_values=fv)
+    flags.DEFINE_integer("prompt_len", 150, "AIME prompts are ~100-200 tokens", flag_values=fv)
+    flags.DEFINE_integer("gen_len", 32768, "generated tokens (32K cutoff)", flag_values=fv)
+    flags.DEFINE_enum("combine", "max", ["max", "sum"], "step time: roofline max or sum", flag_values=fv)
+    flags.DEFINE_float("step_overhead_us", 0.0,
+                       "fixed per-decode-step overhead on the accelerator (not measured: default 0)", flag_values=fv)
+    flags.DEFINE_string("bench_json", "runs/bench/bench_rollout.json",
+                        "final JSON of experiments.bench_rollout (CPU measured speedup)", flag_values=fv)
+    flags.DEFINE_float("cpu_peak_flops", 100e9, "CPU f32 peak FLOP/s", flag_values=fv)
+    flags.DEFINE_float("cpu_bandwidth", 20e9, "CPU memory bandwidth, bytes/s", flag_values=fv)
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--hardware", default="H200", choices=[k for k in cm.HARDWARE if k != "cpu"],
-                    help="accelerator for the paper rows")
-    ap.add_argument("--tau", default="0.86", help="paper schedule target (preset suffix)")
-    ap.add_argument("--num_samples", type=int, default=8, help="concurrent sequences per device")
-    ap.add_argument("--prompt_len", type=int, default=150, help="AIME prompts are ~100-200 tokens")
-    ap.add_argument("--gen_len", type=int, default=32768, help="generated tokens (32K cutoff)")
-    ap.add_argument("--combine", default="max", choices=["max", "sum"], help="step time: roofline max or sum")
-    ap.add_argument("--step_overhead_us", type=float, default=0.0,
-                    help="fixed per-decode-step overhead on the accelerator (not measured: default 0)")
-    ap.add_argument("--bench_json", default="runs/bench/bench_rollout.json",
-                    help="final JSON of experiments.bench_rollout (CPU measured speedup)")
-    ap.add_argument("--cpu_peak_flops", type=float, default=100e9, help="CPU f32 peak FLOP/s")
-    ap.add_argument("--cpu_bandwidth", type=float, default=20e9, help="CPU memory bandwidth, bytes/s")
-    args = ap.parse_args(argv)
+    args, _ = parse_flags(define_flags, argv, __doc__)
 
     hw = cm.HARDWARE[args.hardware]
     if args.step_overhead_us:

@@ -13,13 +13,16 @@ status is non-zero; rerunning the same command resumes from the last checkpoint.
 """
 from __future__ import annotations
 
-import argparse
 import os
 import socket
 import subprocess
 import sys
 import threading
-from typing import Optional
+from typing import Optional, Sequence
+
+from absl import flags
+
+from sparrow_jax.run.cli import parse_flags, usage_error
 
 
 def free_port() -> int:
@@ -86,18 +89,21 @@ def launch(processes: int, devices: int, run_args: list[str], port: Optional[int
     return status or next((p.returncode for p in procs if p.returncode), 0)
 
 
-def main(argv: Optional[list[str]] = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
+def define_flags(fv: flags.FlagValues) -> None:
+    flags.DEFINE_integer("processes", 2, "JAX processes (hosts) to start", flag_values=fv)
+    flags.DEFINE_integer("devices-per-process", 4, "fake CPU devices per process", flag_values=fv)
+    flags.DEFINE_integer("port", None, "coordinator port (default: a free one)", flag_values=fv)
+    flags.DEFINE_string("module", "experiments.run", "entry module every process runs", flag_values=fv)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    # split here, not by absl: the run's own flags after -- are not ours to parse
     own, run_args = (argv[:argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv else (argv, [])
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--processes", type=int, default=2, help="JAX processes (hosts) to start")
-    p.add_argument("--devices-per-process", type=int, default=4, help="fake CPU devices per process")
-    p.add_argument("--port", type=int, default=None, help="coordinator port (default: a free one)")
-    p.add_argument("--module", default="experiments.run", help="entry module every process runs")
-    args = p.parse_args(own)
+    args, _ = parse_flags(define_flags, own, __doc__)
     if not run_args:
-        p.error("give the run's arguments after --, e.g. -- --config configs/grpo_tiny.py")
-    return launch(args.processes, args.devices_per_process, run_args, args.port, args.module)
+        usage_error("give the run's arguments after --, e.g. -- --config configs/grpo_tiny.py")
+    return launch(args.processes, args["devices-per-process"].value, run_args, args.port, args.module)
 
 
 if __name__ == "__main__":

@@ -14,9 +14,13 @@ Qwen3's special tokens.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
+from typing import Optional, Sequence
+
+from absl import flags
+
+from sparrow_jax.run.cli import parse_flags
 
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>")
 # Qwen3's template reduced to what a math prompt uses: system / user / assistant turns, the
@@ -121,14 +125,16 @@ def run_command(model: str, data: str, workdir: str) -> str:
         f"--config.{k}={v}" for k, v in fields.items())
 
 
-def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("out_dir", help="directory to write model/ and math.parquet into")
-    p.add_argument("--rows", type=int, default=16, help="word problems in the parquet")
-    p.add_argument("--seed", type=int, default=0, help="seed of the random weights")
-    args = p.parse_args(argv)
-    model, data = make_tiny_qwen3(args.out_dir, args.rows, args.seed)
-    print(f"model: {model}\ndata: {data}\nrun it:\n{run_command(model, data, os.path.join(args.out_dir, 'run'))}")
+def define_flags(fv: flags.FlagValues) -> None:
+    flags.DEFINE_integer("rows", 16, "word problems in the parquet", lower_bound=1, flag_values=fv)
+    flags.DEFINE_integer("seed", 0, "seed of the random weights", flag_values=fv)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> None:
+    """``make_tiny_qwen3 OUT_DIR [--rows N --seed S]``: OUT_DIR receives model/ and math.parquet."""
+    args, (out_dir,) = parse_flags(define_flags, argv, __doc__, positionals=1)
+    model, data = make_tiny_qwen3(out_dir, args.rows, args.seed)
+    print(f"model: {model}\ndata: {data}\nrun it:\n{run_command(model, data, os.path.join(out_dir, 'run'))}")
 
 
 if __name__ == "__main__":

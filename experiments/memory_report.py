@@ -20,12 +20,17 @@ or with the estimate.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
 import sys
 import time
+from types import SimpleNamespace
+from typing import Optional, Sequence
+
+from absl import flags
+
+from sparrow_jax.run.cli import parse_flags  # imports no JAX: the device count is set after parsing
 
 
 def parse_mesh(text: str) -> dict[str, int]:
@@ -39,24 +44,31 @@ def parse_mesh(text: str) -> dict[str, int]:
     return shape
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", action="append", required=True, help="qwen3-0.6b|1.7b|4b|8b|14b; repeatable")
-    p.add_argument("--gen", type=int, default=32768, help="generated tokens per row")
-    p.add_argument("--prompt", type=int, default=256, help="prompt tokens per row")
-    p.add_argument("--batch", type=int, default=8, help="global rows per step")
-    p.add_argument("--mesh", default="data=1,fsdp=8,tensor=1", help="mesh axis sizes")
-    p.add_argument("--hbm", action="append", default=None, help="h100|h200|v5e|v5p|v6e; repeatable (default all)")
-    p.add_argument("--no-remat", dest="remat", action="store_false", help="keep every layer's activations")
-    p.add_argument("--micro-batches", type=int, default=1, help="gradient accumulation steps")
-    p.add_argument("--f32", dest="bf16", action="store_false", help="float32 activations and KV cache")
-    p.add_argument("--layers", type=int, default=None, help="compile N and N+1 layers, extrapolate to the depth")
-    p.add_argument("--skip-train", action="store_true", help="decode step only")
-    p.add_argument("--real-devices", action="store_true",
-                   help="compile for this host's accelerators (e.g. on an 8-GPU node) instead of fake CPU devices")
-    p.add_argument("--settings-table", action="store_true",
-                   help="no compile: the estimate for remat x bf16 combinations, and what fits where")
-    return p.parse_args(argv)
+def define_flags(fv: flags.FlagValues) -> None:
+    flags.DEFINE_multi_string("model", None, "qwen3-0.6b|1.7b|4b|8b|14b; repeatable", flag_values=fv)
+    flags.mark_flag_as_required("model", flag_values=fv)
+    flags.DEFINE_integer("gen", 32768, "generated tokens per row", flag_values=fv)
+    flags.DEFINE_integer("prompt", 256, "prompt tokens per row", flag_values=fv)
+    flags.DEFINE_integer("batch", 8, "global rows per step", flag_values=fv)
+    flags.DEFINE_string("mesh", "data=1,fsdp=8,tensor=1", "mesh axis sizes", flag_values=fv)
+    flags.DEFINE_multi_string("hbm", None, "h100|h200|v5e|v5p|v6e; repeatable (default all)", flag_values=fv)
+    flags.DEFINE_bool("no-remat", False, "keep every layer's activations", flag_values=fv)
+    flags.DEFINE_integer("micro-batches", 1, "gradient accumulation steps", flag_values=fv)
+    flags.DEFINE_bool("f32", False, "float32 activations and KV cache", flag_values=fv)
+    flags.DEFINE_integer("layers", None, "compile N and N+1 layers, extrapolate to the depth", flag_values=fv)
+    flags.DEFINE_bool("skip-train", False, "decode step only", flag_values=fv)
+    flags.DEFINE_bool("real-devices", False, "compile for this host's accelerators (e.g. on an 8-GPU node) "
+                      "instead of fake CPU devices", flag_values=fv)
+    flags.DEFINE_bool("settings-table", False, "no compile: the estimate for remat x bf16 combinations, "
+                      "and what fits where", flag_values=fv)
+
+
+def parse_args(argv: Optional[Sequence[str]] = None) -> SimpleNamespace:
+    """The flags as attributes (dashes -> underscores), plus ``remat`` / ``bf16``: not ``--no-remat`` / ``--f32``."""
+    fv, _ = parse_flags(define_flags, argv, __doc__)
+    args = SimpleNamespace(**{name.replace("-", "_"): fv[name].value for name in fv})
+    args.remat, args.bf16 = not args.no_remat, not args.f32
+    return args
 
 
 def _scaled(small: dict, bigger: dict, layers: int, depth: int) -> dict:

@@ -7,14 +7,10 @@ A bad config field prints one line naming ``--config.<field>`` and exits with st
 """
 from __future__ import annotations
 
-from ml_collections import config_flags
 
-from sparrow_jax.run.cli import config_main
+from sparrow_jax.run.cli import config_main, define_config_flag
 
-_CONFIG = config_flags.DEFINE_config_file("config", None, "run config file (configs/*.py)", lock_config=True)
-
-
-def main(spec):
+def main(spec) -> None:
     from sparrow_jax.parallel import initialize_distributed
     initialize_distributed()  # multi-host only when configured (JAX_COORDINATOR_ADDRESS / SPARROW_DISTRIBUTED)
     from sparrow_jax.run.memory_check import check_run_memory
@@ -24,5 +20,10 @@ def main(spec):
     run_pipeline(spec)
 
 
+def _cli() -> None:
+    # flags defined at the start, not at import (define_config_flag says why)
+    config_main(define_config_flag(), main)
+
+
 if __name__ == "__main__":
-    config_main(_CONFIG, main)
+    _cli()

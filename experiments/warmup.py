@@ -13,17 +13,10 @@ from __future__ import annotations
 import json
 
 from absl import flags
-from ml_collections import config_flags
 
-from sparrow_jax.run.cli import config_main
+from sparrow_jax.run.cli import config_main, define_config_flag
 
-_CONFIG = config_flags.DEFINE_config_file("config", None, "run config file (configs/*.py)", lock_config=True)
-_SPARSE_CHECK = flags.DEFINE_bool("sparse_check", True, "also measure sparse actors' accuracy per top-k budget")
-_SHIPPED = flags.DEFINE_bool("shipped", True, "use a shipped checkpoint trained with the same settings "
-                             "(--noshipped: train from scratch into the cache, e.g. to reproduce it)")
-
-
-def main(spec):
+def main(spec, sparse_check: bool = True, shipped: bool = True) -> None:
     import dataclasses
 
     from sparrow_jax.sft import warmup as W  # deferred: keeps --help fast
@@ -31,7 +24,7 @@ def main(spec):
 
     spec = dataclasses.replace(spec, model=dataclasses.replace(spec.model, source="warmup"))
     # Train (or find shipped / cached) first, so --noshipped retrains even when a checkpoint ships.
-    path = W.warmup_model(spec.model, spec.task, use_shipped=_SHIPPED.value)
+    path = W.warmup_model(spec.model, spec.task, use_shipped=shipped)
     ctx = build_run_context(spec, schedule=None)  # the run's model (for the sparse check)
     meta = W.read_warmup_meta(path)
     print(f"checkpoint: {path}")
@@ -55,7 +48,7 @@ def main(spec):
     summary = dict(path=path, accuracy_by_length=meta["accuracy_by_length"], accuracy=meta["accuracy"],
                    accuracy_by_hops=meta.get("accuracy_by_hops", {}),
                    train_seconds=meta["train_seconds"], train_cpu_seconds=meta["train_cpu_seconds"])
-    if _SPARSE_CHECK.value:
+    if sparse_check:
         s = spec.schedule
         knobs, context = meta["task"], int(meta["task"]["context_tokens"])
         sparse = {}
@@ -73,5 +66,14 @@ def main(spec):
     print(json.dumps(summary))
 
 
+def _cli() -> None:
+    # flags defined at the start, not at import (define_config_flag says why)
+    config = define_config_flag()
+    sparse_check = flags.DEFINE_bool("sparse_check", True, "also measure sparse actors' accuracy per top-k budget")
+    shipped = flags.DEFINE_bool("shipped", True, "use a shipped checkpoint trained with the same settings "
+                                "(--noshipped: train from scratch into the cache, e.g. to reproduce it)")
+    config_main(config, lambda spec: main(spec, sparse_check.value, shipped.value))
+
+
 if __name__ == "__main__":
-    config_main(_CONFIG, main)
+    _cli()

@@ -1,6 +1,8 @@
 """Every ``python -m ...`` command quoted in README.md and docs/*.md names a module that exists,
 and every ``--config.<field>=value`` override quoted with a ``--config`` file parses into a run
-spec, so a reader who copies a command never meets an unknown module or field."""
+spec, and the flags of an entry that parses its own flags parse, so a reader who copies a command
+never meets an unknown module, field or flag."""
+import importlib
 import importlib.util
 import pathlib
 import re
@@ -10,6 +12,7 @@ import pytest
 from absl import flags
 from ml_collections import config_flags
 
+from sparrow_jax.run.cli import parse_flags
 from sparrow_jax.run.specs import ConfigError, parse_spec
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -98,3 +101,47 @@ def test_quoted_overrides_parse(where, command):
         path = values.get(field.group(1), "") if field else ""
         assert (field and field.group(1) in left_to_fill) or ("/" in path and not (ROOT / path).exists()), \
             f"{where}: `{command}`: {e}"
+
+
+POSITIONALS = {"experiments.make_tiny_qwen3": 1}  # entries whose commands carry positional arguments
+_VALUE_PLACEHOLDER = re.compile(r"[A-Z]")  # --prompt_len N
+
+
+def _flag_entry(command: str):
+    """The ``define_flags`` of an entry that parses its own flags (``sparrow_jax.run.cli.parse_flags``), or None."""
+    module = _split(command)[2]
+    if not module.startswith("experiments.") or importlib.util.find_spec(module) is None:
+        return None
+    return getattr(importlib.import_module(module), "define_flags", None)
+
+
+# a command that elides arguments (...) may leave out a required flag: not checked
+FLAG_COMMANDS = [(w, c) for w, c in QUOTED if _flag_entry(c) is not None and "..." not in _split(c)]
+
+
+def _given_args(command: str) -> list[str]:
+    """The command's arguments, those left for the reader to fill (with their flag) and a
+    launcher's arguments after ``--`` dropped."""
+    args = _split(command)[3:]
+    args = args[:args.index("--")] if "--" in args else args
+    kept: list[str] = []
+    for a in args:
+        if _PLACEHOLDER.search(a) or _VALUE_PLACEHOLDER.fullmatch(a):
+            if kept and kept[-1].startswith("--") and "=" not in kept[-1]:
+                kept.pop()
+            continue
+        kept.append(a)
+    return kept
+
+
+def test_some_commands_have_own_flags():
+    assert len(FLAG_COMMANDS) >= 5, FLAG_COMMANDS
+
+
+@pytest.mark.parametrize("where,command", FLAG_COMMANDS)
+def test_quoted_flags_parse(where, command, capsys):
+    module = _split(command)[2]
+    try:
+        parse_flags(_flag_entry(command), _given_args(command), "", positionals=POSITIONALS.get(module, 0))
+    except SystemExit:
+        pytest.fail(f"{where}: `{command}`: {capsys.readouterr().err.strip()}")

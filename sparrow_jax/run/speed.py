@@ -1,20 +1,47 @@
-"""Like-for-like rollout speed: the timing loop and the paired-ratio summary that the run's report
-and ``experiments.bench_speedup_ceiling`` share.
+"""Like-for-like speed: the one warm-up + alternating-repeat timing loop (:func:`alternate`), the
+rollout sides built on it and the paired-ratio summary, shared by the run's report and the
+``experiments/bench_*`` benchmarks. Imports the rollout engines and the run context's type.
 
-Every side decodes the same rows (prompts x samples) with the same params and key, stop tokens
-ignored, so each decodes ``max_new_tokens`` tokens per row at the same positions: the sides
-differ only in what attention costs. Sides alternate within each repeat so that other load on
-the machine hits them alike; the speedup is the median of the repeats' paired ratios.
+Rollout sides (:func:`time_sides`): every side decodes the same rows (prompts x samples) with
+the same params and key, stop tokens ignored, so each decodes ``max_new_tokens`` tokens per row
+at the same positions: the sides differ only in what attention costs. Sides alternate within
+each repeat so that other load on the machine hits them alike; the speedup is the median of the
+repeats' paired ratios.
 """
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
+import time
+from typing import Any, Callable, Optional, TypeVar
 
+import jax
 import numpy as np
 
 from sparrow_jax.rl.context import RunContext
 from sparrow_jax.rollout import SparsitySchedule, generate, generate_continuous
+
+T = TypeVar("T")
+
+
+def alternate(runs: dict[str, Callable[[], T]], repeats: int, warmup: int = 1) -> dict[str, list[T]]:
+    """Call every run ``warmup`` times untimed (compiles every shape the timed calls use), then
+    ``repeats`` rounds calling each run once in turn, so that other load on the machine hits
+    every side alike. Returns ``{name: [what the run returned, one per round]}``."""
+    for run in runs.values():
+        for _ in range(warmup):
+            run()
+    out: dict[str, list[T]] = {name: [] for name in runs}
+    for _ in range(repeats):
+        for name, run in runs.items():
+            out[name].append(run())
+    return out
+
+
+def seconds(fn: Callable[[], Any]) -> float:
+    """Wall seconds of ``fn()`` until its outputs are ready (JAX dispatches asynchronously)."""
+    start = time.perf_counter()
+    jax.block_until_ready(fn())
+    return time.perf_counter() - start
 
 
 def time_sides(ctx: RunContext, params, prompts: list[list[int]], sides: dict[str, Optional[SparsitySchedule]],
@@ -30,15 +57,9 @@ def time_sides(ctx: RunContext, params, prompts: list[list[int]], sides: dict[st
                      pad_id=ctx.tokenizer.pad_id)
         return out.stats["decode_tokens"] / max(out.stats["decode_s"], 1e-9), int(out.stats.get("compiles", 0))
 
-    for schedule in sides.values():
-        run(schedule)
-    tok_s, compiles = {name: [] for name in sides}, 0
-    for _ in range(repeats):
-        for name, schedule in sides.items():
-            speed, n = run(schedule)
-            tok_s[name].append(speed)
-            compiles += n
-    return tok_s, compiles
+    timed = alternate({name: (lambda s=schedule: run(s)) for name, schedule in sides.items()}, repeats)
+    tok_s = {name: [speed for speed, _ in runs] for name, runs in timed.items()}
+    return tok_s, sum(n for runs in timed.values() for _, n in runs)
 
 
 def speedup_summary(dense_tok_s: list[float], sparse_tok_s: list[float]) -> dict:
