@@ -91,7 +91,7 @@ def test_held_out_over_two_seeds_by_hand():
     assert held_out([None], 6) is None
 
 
-def _records(p5_by_step, val, gen_s, probe_s=0.0):
+def _records(p5_by_step, val, gen_s, probe_s=0.0, kept=0.5):
     """Synthetic metrics.jsonl of one seed: validation at 0, 3, 6; steps 1-6 with bin 0's p5 / count."""
     out = [{"step": 0, "val/dense/reward_mean@4": val[0], "val/dense/reward_mean@4_se": 0.05}]
     for step in range(1, 7):
@@ -99,7 +99,7 @@ def _records(p5_by_step, val, gen_s, probe_s=0.0):
         r = {"step": step, "reward_mean": 0.1 * step, "response_length/mean": 50.0,
              "rollout/generated_tokens": 1000.0, "rollout/decode_s": gen_s, "rollout/sparse_token_fraction": 0.5,
              "timing_s/gen": gen_s, "timing_s/update_actor": 2.0, "schedule/predicted_cost_vs_dense": 0.5,
-             "schedule/topk/bin_0": 8.0,
+             "schedule/topk/bin_0": 8.0, "rollout/kept_page_share": kept,
              "mismatch/count/bin_0": float(n), "mismatch/alpha_p5/bin_0": p5, "mismatch/alpha_mean/bin_0": 0.97}
         if probe_s:
             r["timing_s/probe"] = probe_s
@@ -116,9 +116,9 @@ def _hist(bucket, tokens=100):
 
 
 def _two_seeds(spec):
-    runs = {0: SeedRun(_records({2: (0.7, 100), 3: (0.5, 10)}, (0.2, 0.3, 0.5), gen_s=1.0), _hist(900),
+    runs = {0: SeedRun(_records({2: (0.7, 100), 3: (0.5, 10)}, (0.2, 0.3, 0.5), gen_s=1.0, kept=0.4), _hist(900),
                        {"steps": 6, "rollout_speedup": 1.9}),
-            1: SeedRun(_records({1: (0.6, 100)}, (0.2, 0.5, 0.3), gen_s=2.0, probe_s=1.0), _hist(500), {"steps": 6})}
+            1: SeedRun(_records({1: (0.6, 100)}, (0.2, 0.5, 0.3), gen_s=2.0, probe_s=1.0, kept=0.2), _hist(500), {"steps": 6})}
     rows = {s: arm_row(spec, "calibrated", run.records, run.histograms, window=2) for s, run in runs.items()}
     return rows, runs
 
@@ -142,6 +142,7 @@ def test_arm_summary_over_two_seeds_by_hand():
     # step seconds after the first: 3, 3, 3, 3, 3 (seed 0) and 5 x 5 (seed 1): median 4
     assert got["step_time_median_s"] == pytest.approx(4.0)
     assert got["gen_tokens_per_s"] == pytest.approx((1000 + 500) / 2)
+    assert got["kept_page_share"] == pytest.approx(0.3)  # 1000 tokens a step in both seeds
     assert got["predicted_cost_end"] == pytest.approx(0.5) and got["rollout_speedup"] == pytest.approx(1.9)
     one = arm_summary(spec, {0: rows[0]}, {0: runs[0]})  # one seed: its own row plus the figures
     assert "per_seed" not in one and one["val_dense"] == rows[0]["val_dense"]
@@ -150,6 +151,20 @@ def test_arm_summary_over_two_seeds_by_hand():
     relative_step_time(table)
     assert table["calibrated"]["step_time_vs_dense"] == pytest.approx(2.0) and table["dense"]["step_time_vs_dense"] == 1
     assert table["other"]["step_time_vs_dense"] is None
+
+
+def test_kept_page_share_by_hand():
+    from sparrow_jax.mismatch.calibrate import kept_page_share
+    from sparrow_jax.rollout import SparsitySchedule
+
+    # pages of 4 tokens, 1 + 1 reserved pages; top-k 1 below position 16, then 3
+    s = SparsitySchedule(topk=(1, 3), bin_width=16, page_size=4, reserved_first=1, reserved_last=1,
+                         dense_layers=(0,))
+    # row 0: tokens 8..11 see 2, 3, 3, 3 pages and keep all (3 allowed); row 1: tokens 12..19 see
+    # 3, 4, 4, 4, 4, 5, 5, 5 pages and keep 3 up to token 16 (queries < 16), then 5: 3/3, 4 x 3/4, 3 x 5/5
+    assert kept_page_share(s, np.array([8, 12]), np.array([12, 20])) == pytest.approx(11 / 12)
+    assert kept_page_share(s, np.array([8, 12]), np.array([12, 20]), num_layers=2) == pytest.approx(23 / 24)
+    assert kept_page_share(None, np.array([8]), np.array([12])) == 1.0
 
 
 def test_headline_plot_writes_a_small_png(tmp_path):

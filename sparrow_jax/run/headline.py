@@ -5,12 +5,10 @@ Per arm: the dense held-out reward at the start and the end with their standard 
 and its standard error, the area under the dense validation curve, the sampled training reward,
 the per-bin p5 pooled over every seed's tokens and the worst (seed, step) cell per bin, generated
 tokens per rollout second, the predicted rollout cost, the median RL step time (and its ratio to
-the dense arm's) and, when the study measured it, the paired rollout speedup of the arm's final
-schedule. Pure functions of the arms' logs (:mod:`sparrow_jax.run.report`); may import the run
-layer's report and spec modules, never the study itself (which imports this module).
-
-The share of visible pages a schedule keeps, averaged over generated tokens, is not in the table:
-the logs hold per-step means of the prompt and completion lengths, not the positions it needs.
+the dense arm's), the share of visible KV pages the rollouts kept and, when the study measured it,
+the paired rollout speedup of the arm's final schedule. Pure functions of the arms' logs
+(:mod:`sparrow_jax.run.report`); may import the run layer's report and spec modules, never the
+study itself (which imports this module).
 """
 from __future__ import annotations
 
@@ -18,7 +16,8 @@ from typing import NamedTuple, Optional
 
 import numpy as np
 
-from sparrow_jax.run.report import p5_hold_fraction, p5_min_step_by_bin, pooled_p5_by_bin, training_rows
+from sparrow_jax.run.report import (p5_hold_fraction, p5_min_step_by_bin, pooled_p5_by_bin, token_weighted_mean,
+                                    training_rows)
 from sparrow_jax.run.specs import RunSpec
 
 # the phases of one RL step (rollouts; scoring and update; the online controller's probe): not validation
@@ -128,7 +127,9 @@ def arm_summary(spec: RunSpec, seed_rows: dict[int, dict], runs: dict[int, SeedR
     seed's logs. With one seed the row is that seed's row plus the figures below; with several, the
     figures below and ``per_seed`` (every seed's row). The training reward's change se combines the
     seeds like :func:`combine_seeds`. ``step_time_median_s``: the median of :func:`step_seconds` over
-    every seed's steps; the paired speedup keys are the first seed's (measured on it alone)."""
+    every seed's steps; ``kept_page_share``: the share of visible KV pages the rollouts kept, over
+    every seed's generated tokens (None for runs that did not log it); the paired speedup keys are
+    the first seed's (measured on it alone)."""
     seeds = list(runs)
     first = seed_rows[seeds[0]]
     rows = {s: training_rows(run.records) for s, run in runs.items()}
@@ -148,7 +149,8 @@ def arm_summary(spec: RunSpec, seed_rows: dict[int, dict], runs: dict[int, SeedR
            "p5_by_bin": pooled, "p5_min_step_by_bin": worst_step_by_bin(rows, min_count),
            **p5_hold_fraction(every_row, tau - 0.02, min_count),
            "min_p5": min(full) if full and spec.schedule.kind != "dense" else None,
-           "step_time_median_s": float(np.median(times)) if times else None}
+           "step_time_median_s": float(np.median(times)) if times else None,
+           "kept_page_share": token_weighted_mean(every_row, "rollout/kept_page_share")}
     for key in ("gen_tokens_per_s", "sparse_token_fraction", "response_length_end", "predicted_cost_end",
                 "predicted_cost_mean"):
         out[key] = _mean([seed_rows[s].get(key) for s in seeds])

@@ -224,8 +224,8 @@ def run_study(spec: RunSpec) -> dict:
 def print_study(report: dict) -> None:
     """The study table, one line per arm (dense held-out reward over seeds start -> end with standard
     errors, its change and curve area, sampled reward, min pooled p5, generated tokens per rollout
-    second, paired speedup, step time and predicted cost relative to dense), then the report as one
-    JSON line."""
+    second, paired speedup, step time relative to dense, share of visible pages kept, predicted cost
+    relative to dense), then the report as one JSON line."""
     fmt = lambda x, f=".3f": "-" if x is None else format(x, f)  # noqa: E731
     pm = lambda x, se: fmt(x) if se is None else f"{fmt(x)}±{fmt(se)}"  # noqa: E731
     for a, row in report["arms"].items():
@@ -235,6 +235,6 @@ def print_study(report: dict) -> None:
               f"area {fmt(val.get('auc'))}), reward {fmt(row['reward_start'])} -> {fmt(row['reward_end'])}, "
               f"min p5 {fmt(row['min_p5'])}, {fmt(row['gen_tokens_per_s'], '.0f')} gen tok/s, speedup "
               f"{fmt(row.get('rollout_speedup'), '.2f')}x, step time vs dense "
-              f"{fmt(row.get('step_time_vs_dense'), '.2f')}x, predicted cost {fmt(row.get('predicted_cost_end'))}",
-              flush=True)
+              f"{fmt(row.get('step_time_vs_dense'), '.2f')}x, kept pages {fmt(row.get('kept_page_share'))}, "
+              f"predicted cost {fmt(row.get('predicted_cost_end'))}", flush=True)
     print(json.dumps(report))
