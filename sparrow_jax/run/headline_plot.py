@@ -3,12 +3,13 @@
 Panels: the dense held-out reward per arm over steps (mean over seeds, shaded +-1 standard error:
 ``held_out.curve`` of :func:`sparrow_jax.run.headline.arm_summary`), generated tokens per rollout
 second per arm (mean over seeds per step), then per sparse arm its per-bin p5 over the first
-seed's steps. Draws through :func:`sparrow_jax.io.plots.plot_panels`; imports io and nothing of the
+seed's steps beside its tau. Draws through :func:`sparrow_jax.io.plots.plot_panels`; imports io and nothing of the
 run layer.
 """
 from __future__ import annotations
 
 import os
+from typing import Optional
 
 import numpy as np
 
@@ -53,11 +54,12 @@ def p5_by_bin_over_steps(rows: list[dict]) -> dict[str, tuple[list, list]]:
                                  for r in rows]) for b in starts}
 
 
-def plot_headline(table: dict[str, dict], rows: dict[str, list[list[dict]]], path: str | os.PathLike) -> bool:
+def plot_headline(table: dict[str, dict], rows: dict[str, list[list[dict]]], path: str | os.PathLike,
+                  taus: Optional[dict[str, float]] = None) -> bool:
     """Write ``headline.png`` at ``path``. ``table``: the study's per-arm rows; ``rows``: per arm, each
-    seed's training rows (first seed first). An arm is sparse when it logged a schedule's top-k
-    (``schedule/topk/bin_*``). Panels without data are left out; returns False (nothing written)
-    when no panel has any."""
+    seed's training rows (first seed first); ``taus``: per arm the tau its p5 panel draws as a line.
+    An arm is sparse when it logged a schedule's top-k (``schedule/topk/bin_*``). Panels without data
+    are left out; returns False (nothing written) when no panel has any."""
     title, ylabel, series, bands = held_out_panel(table)
     panels = [(title, ylabel, series, bands)]
     speed = {arm: tokens_per_s(seeds) for arm, seeds in rows.items()}
@@ -65,8 +67,11 @@ def plot_headline(table: dict[str, dict], rows: dict[str, list[list[dict]]], pat
     for arm, seeds in rows.items():
         first = seeds[0] if seeds else []
         if any(k.startswith(_TOPK) for r in first for k in r):
-            panels.append((f"p5 per bin: {arm} (seed {table[arm]['seeds'][0]})", "alpha p5",
-                           p5_by_bin_over_steps(first)))
+            series = p5_by_bin_over_steps(first)
+            if series and taus and arm in taus:
+                steps = [r["step"] for r in first]
+                series[f"tau {taus[arm]:g}"] = (steps, [taus[arm]] * len(steps))
+            panels.append((f"p5 per bin: {arm} (seed {table[arm]['seeds'][0]})", "alpha p5", series))
     panels = [p for p in panels if p[2]]
     if not panels:
         return False

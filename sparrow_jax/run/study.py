@@ -210,7 +210,8 @@ def run_study(spec: RunSpec) -> dict:
                     training_rows(run.records), training_rows(runs["calibrated"][s].records))
     table = {a: arm_summary(_arm_spec(spec, a), rows[a], runs[a]) for a in runs}
     relative_step_time(table)
-    plot_headline(table, seed_rows, os.path.join(spec.workdir, "headline.png"))
+    plot_headline(table, seed_rows, os.path.join(spec.workdir, "headline.png"),
+                  taus={a: _arm_spec(spec, a).calibration.tau for a in runs})
     report = {"arms": table, "seeds": list(seeds), "tau": spec.calibration.tau,
               "calibrated_topk": list(calibrated.topk), "aggressive_topk": spec.study.aggressive_topk,
               "steps": spec.steps}
