@@ -118,7 +118,8 @@ def _hist(bucket, tokens=100):
 def _two_seeds(spec):
     runs = {0: SeedRun(_records({2: (0.7, 100), 3: (0.5, 10)}, (0.2, 0.3, 0.5), gen_s=1.0, kept=0.4), _hist(900),
                        {"steps": 6, "rollout_speedup": 1.9}),
-            1: SeedRun(_records({1: (0.6, 100)}, (0.2, 0.5, 0.3), gen_s=2.0, probe_s=1.0, kept=0.2), _hist(500), {"steps": 6})}
+            1: SeedRun(_records({1: (0.6, 100)}, (0.2, 0.5, 0.3), gen_s=2.0, probe_s=1.0, kept=0.2), _hist(500),
+                       {"steps": 6})}
     rows = {s: arm_row(spec, "calibrated", run.records, run.histograms, window=2) for s, run in runs.items()}
     return rows, runs
 

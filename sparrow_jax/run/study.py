@@ -110,10 +110,11 @@ def paired_reward_diff(hist, ref_hist) -> dict:
 
 
 def arm_row(spec: RunSpec, arm: str, records: list[dict], histograms: list, window: int) -> dict:
-    """One arm's figures at one seed (``spec``: the arm's run spec): reward windows, dense / sparse validation, the pooled tail (``min_p5``:
-    the lowest pooled p5 of bins with >= ``calibration.min_count`` tokens, None for dense
-    rollouts), its hold fraction, and the cost: ``gen_tokens_per_s`` (generated tokens per
-    rollout decode second) beside the cost model's ``predicted_cost`` relative to dense."""
+    """One arm's figures at one seed (``spec``: the arm's run spec): reward windows, dense / sparse
+    validation, the pooled tail (``min_p5``: the lowest pooled p5 of bins with >=
+    ``calibration.min_count`` tokens, None for dense rollouts), its hold fraction, and the cost:
+    ``gen_tokens_per_s`` (generated tokens per rollout decode second) beside the cost model's
+    ``predicted_cost`` relative to dense."""
     rows = training_rows(records)
     full = training_report(records, histograms, num_prompts=1, prompts_per_step=1, steps=1, eval_k=spec.eval_k,
                            tau=spec.calibration.tau, min_count=spec.calibration.min_count)
@@ -161,8 +162,8 @@ def plot_study(arms: dict[str, list], path: str) -> None:
 
 def _run_arm(spec: RunSpec, arm: str, seed: int, calibrated) -> SeedRun:
     """One arm at one seed: trained unless finished (an interrupted run resumes from its checkpoints),
-    then its logs. The study's first seed of a sparse arm also times its final schedule against dense
-    rollouts with ``study.measure_speedup`` (kept in the run's ``report.json``)."""
+    then its logs. With ``study.measure_speedup`` the first seed's run also times its final schedule
+    against dense rollouts (kept in its ``report.json``; 1.0 untimed for dense rollouts)."""
     arm_spec = _arm_spec(spec, arm, seed)
     seeds = study_seeds(spec)
     name = arm if len(seeds) == 1 else f"{arm}, seed {seed}"
@@ -201,8 +202,8 @@ def run_study(spec: RunSpec) -> dict:
     seed_rows = {a: [training_rows(run.records) for run in by_seed.values()] for a, by_seed in runs.items()}
     plot_study({a: r[0] for a, r in seed_rows.items()}, os.path.join(spec.workdir, "study.png"))
     window = reward_window(num_prompts, spec.rollout.prompts_per_step, spec.steps)
-    rows = {a: {s: arm_row(_arm_spec(spec, a, s), a, run.records, run.histograms, window) for s, run in by_seed.items()}
-            for a, by_seed in runs.items()}
+    rows = {a: {s: arm_row(_arm_spec(spec, a, s), a, run.records, run.histograms, window)
+                for s, run in by_seed.items()} for a, by_seed in runs.items()}
     if "calibrated" in runs:  # is an arm's reward worse than the calibrated schedule's, beyond noise?
         for a, by_seed in runs.items():
             for s, run in by_seed.items():
