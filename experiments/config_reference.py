@@ -205,6 +205,8 @@ RULES: tuple[tuple[str, Any, dict[str, Any]], ...] = (
     ("distill.switch_every", 5, {}),
     ("distill.switch_topk", 2, {"schedule.kind": "online", "distill.switch_every": 5}),
     ("study.arms", ("dense", "bogus"), {}),
+    ("study.seeds", (0, 0), {}),
+    ("study.low_tau", 0.9, {"study.arms": ("dense", "calibrated_low")}),
 )
 
 

@@ -6,7 +6,8 @@ Reads ``config.json``, ``metrics.jsonl``, ``alpha_hist.jsonl`` and (when the run
 standard errors, the pooled per-bin p5 and each bin's worst step, the hold fraction, the rollout
 speedup and costs, seconds per phase) and redraws the run's plots. Works on a run that is still
 going or was killed: the figures are those of the steps logged so far. A study's workdir
-(``config.json`` with a ``study`` block) gets one column per arm that has logged steps.
+(``config.json`` with a ``study`` block) gets one column per arm that has logged steps (per arm and
+seed with several ``study.seeds``).
 """
 from __future__ import annotations
 
@@ -132,8 +133,10 @@ def summarize(workdir: str) -> tuple[str, Optional[str]]:
         raise FileNotFoundError(f"{workdir}: no config.json (not a run's or a study's workdir)")
     study = config.get("study") is not None
     if study:
-        arms = [a for a in config["study"]["arms"] if os.path.exists(os.path.join(workdir, a, "metrics.jsonl"))]
-        columns = {a: summarize_run(os.path.join(workdir, a), config) for a in arms}
+        seeds = config["study"].get("seeds") or [None]  # several seeds: a column per (arm, seed)
+        runs = [a if len(seeds) == 1 else f"{a}/seed_{s}" for a in config["study"]["arms"] for s in seeds]
+        runs = [r for r in runs if os.path.exists(os.path.join(workdir, r, "metrics.jsonl"))]
+        columns = {r: summarize_run(os.path.join(workdir, r), config) for r in runs}
     else:
         columns = {os.path.basename(os.path.normpath(workdir)): summarize_run(workdir, config)}
     if not columns or not any(s["rows"] for s in columns.values()):

@@ -72,6 +72,15 @@ def test_study_gets_a_column_per_logged_arm(tmp_path):
     assert header == ["dense", "calibrated"] and plot == str(tmp_path / "study.png")
 
 
+def test_study_with_seeds_gets_a_column_per_arm_and_seed(tmp_path):
+    _log_run(tmp_path, 0, study={"arms": ["dense", "calibrated"], "seeds": [0, 1]})
+    _log_steps(tmp_path / "dense" / "seed_0", 2)
+    _log_steps(tmp_path / "dense" / "seed_1", 2)
+    _log_steps(tmp_path / "calibrated" / "seed_0", 1)
+    text, _ = summarize(str(tmp_path))
+    assert text.splitlines()[0].split() == ["dense/seed_0", "dense/seed_1", "calibrated/seed_0"]
+
+
 def test_phase_seconds_is_the_median_after_the_first_step():
     rows = [{"timing_s/gen": 9.0}, {"timing_s/gen": 1.0}, {"timing_s/gen": 3.0}, {"timing_s/gen": 2.0}]
     assert phase_seconds(rows) == {"gen": 2.0} and phase_seconds(rows[:1]) == {"gen": 9.0}

@@ -47,9 +47,13 @@ def _save_png(fig: Figure, path: str | os.PathLike) -> Path:
     return atomic_write_bytes(path, buffer.getvalue())
 
 
-def _draw_series(ax, series: Series, where: str, marker: str | None = None) -> None:
+def _draw_series(ax, series: Series, where: str, marker: str | None = None, bands: Mapping | None = None) -> None:
+    """Each series as a line; ``bands``: label -> (x, lower, upper), shaded in that line's colour."""
     for label, x, y in _xy(series, where):
-        ax.plot(x, y, label=label, marker=marker, markersize=3, linewidth=1.5)
+        (line,) = ax.plot(x, y, label=label, marker=marker, markersize=3, linewidth=1.5)
+        if bands and label in bands:
+            bx, lower, upper = (np.asarray(v, dtype=np.float64) for v in bands[label])
+            ax.fill_between(bx, lower, upper, color=line.get_color(), alpha=0.2, linewidth=0)
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize="small")
 
@@ -90,7 +94,8 @@ def plot_panels(
     columns: int = 0,
 ) -> Path:
     """Subplots in rows of ``columns`` (0: one row); each panel is (title, ylabel, series label ->
-    (steps, values))."""
+    (steps, values)), or (title, ylabel, series, bands) with bands label -> (steps, lower, upper)
+    shaded around that series."""
     if not isinstance(panels, Sequence) or not panels:
         raise ValueError(f"panels: expected a non-empty list of (title, ylabel, series), got {panels!r:.80}")
     cols = min(columns, len(panels)) if columns > 0 else len(panels)
@@ -101,10 +106,10 @@ def plot_panels(
         ax.set_axis_off()
     axes = grid[:len(panels)]
     for i, (ax, panel) in enumerate(zip(axes, panels)):
-        if not isinstance(panel, (tuple, list)) or len(panel) != 3:
-            raise ValueError(f"panels[{i}]: expected (title, ylabel, series), got {panel!r:.80}")
-        title, ylabel, series = panel
-        _draw_series(ax, series, f"panels[{i}] ({title!r}) series")
+        if not isinstance(panel, (tuple, list)) or len(panel) not in (3, 4):
+            raise ValueError(f"panels[{i}]: expected (title, ylabel, series[, bands]), got {panel!r:.80}")
+        title, ylabel, series = panel[:3]
+        _draw_series(ax, series, f"panels[{i}] ({title!r}) series", bands=panel[3] if len(panel) == 4 else None)
         ax.set_title(title)
         ax.set_ylabel(ylabel)
         ax.set_xlabel(xlabel)

@@ -260,26 +260,50 @@ def spread_context_lengths(context_tokens: int, n: int, min_context: int | None 
     return [int(round(lo + (context_tokens - lo) * i / (n - 1))) for i in range(n)]
 
 
-def sparse_token_fraction(schedule: SparsitySchedule | None, prompt_lens: np.ndarray,
-                          lengths: np.ndarray, num_layers: int | None = None) -> float:
-    """Share of generated tokens whose KV budget was below their visible context.
+def _visible_and_kept_pages(schedule: SparsitySchedule, prompt_lens: np.ndarray,
+                            lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Pages visible to and kept by a sparse layer for every generated token [T] (rows concatenated).
 
     Row ``b`` generates tokens ``prompt_lens[b] .. lengths[b] - 1``; token ``t`` comes from the
-    query at position ``t - 1``, which sees ``t`` tokens in ``ceil(t / page_size)`` pages and may
-    attend ``topk_at(t - 1) + reserved`` of them: sparse when that is fewer. 0 for dense rollouts.
-    With ``num_layers``, the share is over (token, layer) pairs: a layer in ``dense_layers``
-    attends every visible page, so it counts as dense for every token.
+    query at position ``t - 1``, which sees ``t`` tokens in ``ceil(t / page_size)`` pages and
+    keeps ``topk_at(t - 1) + reserved`` of them (all when that is more)."""
+    t = np.concatenate([np.arange(p, n) for p, n in zip(prompt_lens, lengths)])
+    pages = -(-t // schedule.page_size)
+    return pages, np.minimum(schedule.topk_at(t - 1) + schedule.reserved, pages)
+
+
+def _sparse_layer_share(schedule: SparsitySchedule, num_layers: int | None) -> float:
+    """Share of the model's layers that attend sparsely (1 when the layer count is not given)."""
+    if num_layers is None:
+        return 1.0
+    return sum(1 for i in range(num_layers) if i not in schedule.dense_layers) / num_layers
+
+
+def sparse_token_fraction(schedule: SparsitySchedule | None, prompt_lens: np.ndarray,
+                          lengths: np.ndarray, num_layers: int | None = None) -> float:
+    """Share of generated tokens whose KV budget was below their visible context
+    (:func:`_visible_and_kept_pages`). 0 for dense rollouts. With ``num_layers``, the share is over
+    (token, layer) pairs: a layer in ``dense_layers`` attends every visible page, so it counts as
+    dense for every token.
     """
     prompt_lens, lengths = np.asarray(prompt_lens), np.asarray(lengths)
     if schedule is None or int((lengths - prompt_lens).sum()) == 0:
         return 0.0
-    t = np.concatenate([np.arange(p, n) for p, n in zip(prompt_lens, lengths)])
-    pages = -(-t // schedule.page_size)
-    share = float(np.mean(schedule.topk_at(t - 1) + schedule.reserved < pages))
-    if num_layers is None:
-        return share
-    sparse_layers = sum(1 for i in range(num_layers) if i not in schedule.dense_layers)
-    return share * sparse_layers / num_layers
+    pages, kept = _visible_and_kept_pages(schedule, prompt_lens, lengths)
+    return float(np.mean(kept < pages)) * _sparse_layer_share(schedule, num_layers)
+
+
+def kept_page_share(schedule: SparsitySchedule | None, prompt_lens: np.ndarray, lengths: np.ndarray,
+                    num_layers: int | None = None) -> float:
+    """Share of the visible KV pages the rollouts' attention kept, averaged over generated tokens
+    (:func:`_visible_and_kept_pages`); with ``num_layers`` over (token, layer) pairs, a dense layer
+    keeping every page. 1 for dense rollouts or no generated token."""
+    prompt_lens, lengths = np.asarray(prompt_lens), np.asarray(lengths)
+    if schedule is None or int((lengths - prompt_lens).sum()) == 0:
+        return 1.0
+    pages, kept = _visible_and_kept_pages(schedule, prompt_lens, lengths)
+    sparse = _sparse_layer_share(schedule, num_layers)
+    return float(np.mean(kept / pages)) * sparse + (1.0 - sparse)
 
 
 def format_report(result: dict[str, Any]) -> str:

@@ -31,7 +31,7 @@ from sparrow_jax.data.datasets import PromptIterator
 from sparrow_jax.data.rewards import RewardPool
 from sparrow_jax.io.checkpoint import CheckpointManager
 from sparrow_jax.io.metrics import HistogramWriter, MetricWriter, ProgressBar
-from sparrow_jax.mismatch.calibrate import sparse_token_fraction, validate as validate_schedule
+from sparrow_jax.mismatch.calibrate import kept_page_share, sparse_token_fraction, validate as validate_schedule
 from sparrow_jax.mismatch.probe import (candidate_tail, grouped_p5_lower_bound, probe_cost_vs_dense,
                                         probe_metrics)
 from sparrow_jax.models.lora import LoraConfig, init_lora, with_lora
@@ -390,6 +390,8 @@ def collect(loop: Loop, state: LoopState, key) -> tuple[Batch, dict, jax.Array]:
     lengths = gather(np.asarray(rollout.lengths))
     metrics.update({"rollout/generated_tokens": float((lengths - prompt_lens).sum()),
                     "rollout/sparse_token_fraction": sparse_token_fraction(
+                        schedule, prompt_lens, lengths, loop.ctx.model_config.num_hidden_layers),
+                    "rollout/kept_page_share": kept_page_share(
                         schedule, prompt_lens, lengths, loop.ctx.model_config.num_hidden_layers),
                     "rollout/decode_tokens": float(decoded[:, 0].sum()),
                     "rollout/decode_s": float(decoded[:, 1].max())})

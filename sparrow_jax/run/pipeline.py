@@ -32,25 +32,10 @@ from sparrow_jax.run.calibration import calibrate_run
 from sparrow_jax.run.context import RunContext, build_run_context
 from sparrow_jax.run.report import training_report, training_rows, val_series
 from sparrow_jax.run.specs import RunSpec
-from sparrow_jax.run.speed import speedup_summary, time_sides
+from sparrow_jax.run.speed import measure_rollout_speedup
 from sparrow_jax.run.study import WITHOUT_LORA, print_study, run_arm, run_study, without_lora_spec
 from sparrow_jax.run.workdir import REPORT_FILE, check_workdir, finished_report, write_config
 
-
-
-def measure_rollout_speedup(ctx: RunContext, result: TrainResult, num_prompts: int = 8, samples: int = 2,
-                            repeats: int = 7) -> dict:
-    """Dense vs sparse rollout speed of the final policy on the same held-out rows (``num_prompts``
-    x ``samples``) at the same positions (stop tokens ignored), sides alternated
-    (:func:`~sparrow_jax.run.speed.time_sides`): the median of the paired ratios with their spread
-    and each side's median tokens/s (:func:`~sparrow_jax.run.speed.speedup_summary`).
-    ``speedup_timed_compiles``: compilations inside the timed runs (0: none was timed)."""
-    if result.schedule is None:
-        return {"rollout_speedup": 1.0}
-    prompts = [ctx.encode(e) for e in ctx.eval_rows[:num_prompts] for _ in range(samples)]
-    sides = {"dense": None, "sparse": result.schedule}
-    tok_s, compiles = time_sides(ctx, result.state.train.params, prompts, sides, repeats, jax.random.PRNGKey(1))
-    return {**speedup_summary(tok_s["dense"], tok_s["sparse"]), "speedup_timed_compiles": compiles}
 
 
 def _tail(spec: RunSpec, ctx: RunContext, params, schedule, actor_params=None) -> dict:

@@ -112,13 +112,18 @@ def p5_hold_fraction(rows: list[dict], threshold: float, min_count: float) -> di
             "p5_hold_cells": len(full)}
 
 
+def token_weighted_mean(rows: list[dict], key: str) -> Optional[float]:
+    """The per-step share ``key`` over the whole run, each step weighted by its generated tokens
+    (None without a step logging it)."""
+    steps = [(r["rollout/generated_tokens"], r[key]) for r in rows if "rollout/generated_tokens" in r and key in r]
+    tokens = sum(n for n, _ in steps)
+    return float(sum(n * f for n, f in steps) / tokens) if tokens else None
+
+
 def measured_sparse_token_fraction(rows: list[dict]) -> float:
     """Share of the RL rollouts' (generated token, layer) pairs that attended fewer pages than they
     could see, over the whole run (each step's share weighted by its generated tokens)."""
-    steps = [(r["rollout/generated_tokens"], r["rollout/sparse_token_fraction"]) for r in rows
-             if "rollout/generated_tokens" in r]
-    tokens = sum(n for n, _ in steps)
-    return float(sum(n * f for n, f in steps) / tokens) if tokens else 0.0
+    return token_weighted_mean(rows, "rollout/sparse_token_fraction") or 0.0
 
 
 def generated_tokens_per_s(rows: list[dict]) -> Optional[float]:

@@ -175,11 +175,16 @@ class MeshSpec:
 class StudySpec:
     aggressive_topk: int
     # arms run in order, same seeds; any of STUDY_ARMS (online_*: schedule.kind=online started dense,
-    # at the aggressive fixed budget, or calibrated with DistillSparse)
+    # at the aggressive fixed budget, or calibrated with DistillSparse; calibrated_low: calibrated at
+    # low_tau; random_reward: dense rollouts learning from coin-flip rewards)
     arms: tuple = ("dense", "calibrated", "aggressive")
+    seeds: tuple = ()  # every arm runs once per seed (empty: the run's seed alone)
+    low_tau: float = 0.75  # calibration.tau of the calibrated_low arm
+    measure_speedup: bool = False  # paired rollout speedup of each arm's final schedule vs dense (first seed)
 
 
-STUDY_ARMS = ("dense", "calibrated", "aggressive", "online_dense", "online_aggressive", "online_distill")
+STUDY_ARMS = ("dense", "calibrated", "aggressive", "online_dense", "online_aggressive", "online_distill",
+              "calibrated_low", "random_reward")
 
 
 @_spec
@@ -200,7 +205,7 @@ class RunSpec:
     train: TrainSpec
     distill: DistillSpec
     mesh: MeshSpec
-    study: Optional[StudySpec] = None  # optional block: run the dense / calibrated / aggressive study
+    study: Optional[StudySpec] = None  # optional block: run the study's arms (sparrow_jax.run.study)
     dry_run: bool = False  # print the memory plan and stop (sparrow_jax.run.memory_check)
 
 
@@ -377,10 +382,21 @@ def validate(spec: RunSpec) -> None:
     _validate_online(spec)
     _validate_inert(spec)
     if spec.study is not None:
-        arms = spec.study.arms
-        unknown = [a for a in arms if a not in STUDY_ARMS]
-        _require(bool(arms) and not unknown and len(set(arms)) == len(arms), "study.arms", arms,
-                 f"expected distinct arms from {STUDY_ARMS}")
+        _validate_study(spec)
+
+
+def _validate_study(spec: RunSpec) -> None:
+    """study.*: known distinct arms, distinct non-negative int seeds, a low tau below the main one."""
+    st = spec.study
+    unknown = [a for a in st.arms if a not in STUDY_ARMS]
+    _require(bool(st.arms) and not unknown and len(set(st.arms)) == len(st.arms), "study.arms", st.arms,
+             f"expected distinct arms from {STUDY_ARMS}")
+    ints = all(isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in st.seeds)
+    _require(ints and len(set(st.seeds)) == len(st.seeds), "study.seeds", st.seeds,
+             "expected distinct non-negative ints (empty: the run's seed)")
+    if "calibrated_low" in st.arms:  # read only by that arm
+        _require(0 < st.low_tau < spec.calibration.tau, "study.low_tau", st.low_tau,
+                 f"must be in (0, calibration.tau={spec.calibration.tau})")
 
 
 def _validate_online(spec: RunSpec) -> None:

@@ -1,6 +1,7 @@
 """Like-for-like speed: the one warm-up + alternating-repeat timing loop (:func:`alternate`), the
-rollout sides built on it and the paired-ratio summary, shared by the run's report and the
-``experiments/bench_*`` benchmarks. Imports the rollout engines and the run context's type.
+rollout sides built on it and the paired-ratio summary, shared by the run's report, the study's
+arms (:func:`measure_rollout_speedup`: a trained run's final schedule against dense rollouts) and
+the ``experiments/bench_*`` benchmarks. Imports the rollout engines and the run context's type.
 
 Rollout sides (:func:`time_sides`): every side decodes the same rows (prompts x samples) with
 the same params and key, stop tokens ignored, so each decodes ``max_new_tokens`` tokens per row
@@ -12,13 +13,16 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Any, Callable, Optional, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, Optional, TypeVar
 
 import jax
 import numpy as np
 
 from sparrow_jax.rl.context import RunContext
 from sparrow_jax.rollout import SparsitySchedule, generate, generate_continuous
+
+if TYPE_CHECKING:  # annotations only: the benchmarks import this module without the trainer
+    from sparrow_jax.rl.trainer import TrainResult
 
 T = TypeVar("T")
 
@@ -78,3 +82,18 @@ def speedup_summary(dense_tok_s: list[float], sparse_tok_s: list[float]) -> dict
             "sparse_tok_s": float(np.median(sparse_tok_s)),
             "rollout_speedup_paired": {"min": float(paired.min()), "median": median, "max": float(paired.max()),
                                        "repeats": int(paired.size)}}
+
+
+def measure_rollout_speedup(ctx: RunContext, result: TrainResult, num_prompts: int = 8, samples: int = 2,
+                            repeats: int = 7) -> dict:
+    """Dense vs sparse rollout speed of the final policy on the same held-out rows (``num_prompts``
+    x ``samples``) at the same positions (stop tokens ignored), sides alternated
+    (:func:`time_sides`): the median of the paired ratios with their spread and each side's median
+    tokens/s (:func:`speedup_summary`); ``{"rollout_speedup": 1.0}`` for a run without a schedule.
+    ``speedup_timed_compiles``: compilations inside the timed runs (0: none was timed)."""
+    if result.schedule is None:
+        return {"rollout_speedup": 1.0}
+    prompts = [ctx.encode(e) for e in ctx.eval_rows[:num_prompts] for _ in range(samples)]
+    sides = {"dense": None, "sparse": result.schedule}
+    tok_s, compiles = time_sides(ctx, result.state.train.params, prompts, sides, repeats, jax.random.PRNGKey(1))
+    return {**speedup_summary(tok_s["dense"], tok_s["sparse"]), "speedup_timed_compiles": compiles}

@@ -1,23 +1,25 @@
 """Arms: runs trained beside the main one with the same seeds and steps, each in its own workdir
 (:func:`run_arm`), whose figures are then read from their logs.
 
-The study: every arm of ``study.arms`` (dense rollouts, the calibrated schedule, an aggressive
-fixed budget, the online controller started dense, aggressive or calibrated with DistillSparse),
-each in ``<workdir>/<arm>``, and a table of their figures. A DistillSparse run with
+The study: every arm of ``study.arms`` (dense rollouts, the calibrated schedule, the schedule
+calibrated at ``study.low_tau``, an aggressive fixed budget, the online controller started dense,
+aggressive or calibrated with DistillSparse, and dense rollouts learning from random rewards), each
+in ``<workdir>/<arm>`` (with several ``study.seeds``, one run per seed in
+``<workdir>/<arm>/seed_<s>``), and a table of their figures. A DistillSparse run with
 ``distill.compare_without`` has one arm, the same RL without the LoRA in
 ``<workdir>/without_distill`` (:func:`without_lora_spec`), which the pipeline trains before its
 report reads it.
 
-An arm is finished when ``<workdir>/<arm>/report.json`` holds this many steps: a rerun skips
-finished arms and resumes the first unfinished one from its checkpoints. Every figure of the
-table is rebuilt from the arms' logs (:mod:`sparrow_jax.run.report`).
+An arm's run is finished when its ``report.json`` holds this many steps: a rerun skips finished
+(arm, seed) runs and resumes the first unfinished one from its checkpoints. Every figure of the
+table is rebuilt from the arms' logs (:mod:`sparrow_jax.run.report`, :mod:`sparrow_jax.run.headline`).
 """
 from __future__ import annotations
 
 import dataclasses
 import json
 import os
-from typing import Callable
+from typing import Callable, Optional
 
 import numpy as np
 
@@ -25,32 +27,60 @@ from sparrow_jax.io import atomic_write_json
 from sparrow_jax.io.metrics import bin_series, read_histograms, read_metrics
 from sparrow_jax.io.plots import plot_panels
 from sparrow_jax.rl.context import RunContext
-from sparrow_jax.rl.trainer import train
+from sparrow_jax.rl.trainer import TrainResult, train
 from sparrow_jax.run.calibration import calibrate_run
 from sparrow_jax.run.context import build_run_context, build_schedule
+from sparrow_jax.run.headline import SeedRun, arm_summary, relative_step_time
+from sparrow_jax.run.headline_plot import plot_headline
 from sparrow_jax.run.report import (generated_tokens_per_s, reward_start_end, reward_window, training_report,
                                     training_rows)
 from sparrow_jax.run.specs import RunSpec
+from sparrow_jax.run.speed import measure_rollout_speedup
 from sparrow_jax.run.workdir import REPORT_FILE, finished_report
 
 _ONLINE_START = {"online_dense": "dense", "online_aggressive": "fixed", "online_distill": "calibrated"}
 WITHOUT_LORA = "without_distill"  # the DistillSparse run's comparison arm
 
 
-def _arm_spec(spec: RunSpec, arm: str) -> RunSpec:
-    """The run of one study arm: its schedule (and DistillSparse for ``online_distill``) in ``<workdir>/<arm>``."""
-    s, distill = spec.schedule, spec.distill
+def study_seeds(spec: RunSpec) -> tuple[int, ...]:
+    """The seeds every arm runs at: ``study.seeds``, or the run's ``seed`` alone."""
+    return tuple(spec.study.seeds) or (spec.seed,)
+
+
+def _low_calibration_spec(spec: RunSpec) -> RunSpec:
+    """The calibration of the ``calibrated_low`` arm: the main one's at ``study.low_tau``, written
+    into ``<workdir>/calibrated_low``."""
+    return dataclasses.replace(spec, workdir=os.path.join(spec.workdir, "calibrated_low"), study=None,
+                               calibration=dataclasses.replace(spec.calibration, tau=spec.study.low_tau))
+
+
+def _arm_spec(spec: RunSpec, arm: str, seed: Optional[int] = None) -> RunSpec:
+    """The run of one study arm at ``seed`` (default: the first of :func:`study_seeds`): its schedule
+    (and DistillSparse for ``online_distill``, coin-flip rewards for ``random_reward``, tau
+    ``study.low_tau`` for ``calibrated_low``) in ``<workdir>/<arm>``, or ``<workdir>/<arm>/seed_<s>``
+    with several seeds."""
+    s, distill, cal, train_spec = spec.schedule, spec.distill, spec.calibration, spec.train
+    schedule_dir = spec.workdir
+    if arm == "calibrated_low":
+        low = _low_calibration_spec(spec)
+        schedule_dir, cal = low.workdir, low.calibration
+    if arm == "random_reward":
+        train_spec = dataclasses.replace(train_spec, random_reward=True)
     if arm in _ONLINE_START:
         schedule = dataclasses.replace(s, kind="online", topk=spec.study.aggressive_topk,
                                        online=dataclasses.replace(s.online, start=_ONLINE_START[arm]))
         if arm == "online_distill":
             distill = dataclasses.replace(distill, enabled=True, compare_without=False)
     else:
-        kind = {"dense": "dense", "calibrated": "json", "aggressive": "fixed"}[arm]
-        schedule = dataclasses.replace(s, kind=kind, path=os.path.join(spec.workdir, "schedule.json"),
+        kind = {"dense": "dense", "calibrated": "json", "aggressive": "fixed", "calibrated_low": "json",
+                "random_reward": "dense"}[arm]
+        schedule = dataclasses.replace(s, kind=kind, path=os.path.join(schedule_dir, "schedule.json"),
                                        topk=spec.study.aggressive_topk)
-    return dataclasses.replace(spec, workdir=os.path.join(spec.workdir, arm), schedule=schedule, distill=distill,
-                               study=None)
+    seeds = study_seeds(spec)
+    seed = seeds[0] if seed is None else seed
+    workdir = os.path.join(spec.workdir, arm, *([f"seed_{seed}"] if len(seeds) > 1 else []))
+    return dataclasses.replace(spec, workdir=workdir, seed=seed, schedule=schedule, distill=distill, calibration=cal,
+                               train=train_spec, study=None)
 
 
 def without_lora_spec(spec: RunSpec) -> RunSpec:
@@ -59,18 +89,21 @@ def without_lora_spec(spec: RunSpec) -> RunSpec:
                                distill=dataclasses.replace(spec.distill, enabled=False))
 
 
-def run_arm(arm_spec: RunSpec, build_ctx: Callable[[], RunContext], name: str) -> dict:
+def run_arm(arm_spec: RunSpec, build_ctx: Callable[[], RunContext], name: str,
+            after_train: Optional[Callable[[RunContext, TrainResult], dict]] = None) -> dict:
     """Train one arm unless it has finished (an interrupted arm resumes from its checkpoints, inside
     ``train``); ``build_ctx`` is called only to train. Returns the arm's ``report.json``:
-    ``{"steps", "train_prompts"}``."""
+    ``{"steps", "train_prompts"}`` and what ``after_train(ctx, result)`` adds (once, after training)."""
     done = finished_report(arm_spec)
     if done is not None:
         print(f"[arm] {name}: finished ({arm_spec.workdir}/{REPORT_FILE})", flush=True)
         return done
     print(f"[arm] {name}", flush=True)
     ctx = build_ctx()
-    train(arm_spec, ctx)
+    result = train(arm_spec, ctx)
     done = {"steps": arm_spec.steps, "train_prompts": len(ctx.train_rows)}
+    if after_train is not None:
+        done.update(after_train(ctx, result))
     atomic_write_json(os.path.join(arm_spec.workdir, REPORT_FILE), done)
     return done
 
@@ -103,10 +136,11 @@ def paired_reward_diff(hist, ref_hist) -> dict:
 
 
 def arm_row(spec: RunSpec, arm: str, records: list[dict], histograms: list, window: int) -> dict:
-    """One arm's figures: reward windows, dense / sparse validation, the pooled tail (``min_p5``:
-    the lowest pooled p5 of bins with >= ``calibration.min_count`` tokens, None for dense
-    rollouts), its hold fraction, and the cost: ``gen_tokens_per_s`` (generated tokens per
-    rollout decode second) beside the cost model's ``predicted_cost`` relative to dense."""
+    """One arm's figures at one seed (``spec``: the arm's run spec): reward windows, dense / sparse
+    validation, the pooled tail (``min_p5``: the lowest pooled p5 of bins with >=
+    ``calibration.min_count`` tokens, None for dense rollouts), its hold fraction, and the cost:
+    ``gen_tokens_per_s`` (generated tokens per rollout decode second) beside the cost model's
+    ``predicted_cost`` relative to dense."""
     rows = training_rows(records)
     full = training_report(records, histograms, num_prompts=1, prompts_per_step=1, steps=1, eval_k=spec.eval_k,
                            tau=spec.calibration.tau, min_count=spec.calibration.min_count)
@@ -114,7 +148,7 @@ def arm_row(spec: RunSpec, arm: str, records: list[dict], histograms: list, wind
     row = {**reward_start_end([h["reward_mean"] for h in rows], window),
            **{k: full[k] for k in ("val_dense", "val_sparse", "p5_by_bin", "p5_min_step_by_bin", "p5_hold_fraction",
                                    "sparse_token_fraction")},
-           "min_p5": min(pooled) if pooled and arm != "dense" else None,
+           "min_p5": min(pooled) if pooled and spec.schedule.kind != "dense" else None,
            "response_length_end": float(np.mean([h["response_length/mean"] for h in rows][-3:])) if rows else None,
            "gen_tokens_per_s": generated_tokens_per_s(rows)}
     costs = [h["schedule/predicted_cost_vs_dense"] for h in rows if "schedule/predicted_cost_vs_dense" in h]
@@ -152,39 +186,74 @@ def plot_study(arms: dict[str, list], path: str) -> None:
     plot_panels([p for p in panels if p[2]], path, columns=4)  # an arm without binned tokens has no panel
 
 
+def _run_arm(spec: RunSpec, arm: str, seed: int, calibrated) -> SeedRun:
+    """One arm at one seed (:func:`run_arm`), then its logs. With ``study.measure_speedup`` the first
+    seed's run also times its final schedule against dense rollouts (kept in its ``report.json``;
+    1.0 untimed for dense rollouts)."""
+    arm_spec = _arm_spec(spec, arm, seed)
+    seeds = study_seeds(spec)
+    name = arm if len(seeds) == 1 else f"{arm}, seed {seed}"
+    schedule = (calibrated,) if arm in ("calibrated", "online_distill") else ()  # else the arm's own
+    timed = measure_rollout_speedup if spec.study.measure_speedup and seed == seeds[0] else None
+    done = run_arm(arm_spec, lambda: build_run_context(arm_spec, *schedule), name, after_train=timed)
+    return SeedRun(read_metrics(arm_spec.workdir), read_histograms(arm_spec.workdir), done)
+
+
 def run_study(spec: RunSpec) -> dict:
-    """Train every arm of ``study.arms`` not yet finished (in order; an interrupted arm resumes
-    from its checkpoints), then write ``<workdir>/report.json`` and ``study.png`` from the arms' logs."""
+    """Train every (arm, seed) of ``study.arms`` x :func:`study_seeds` not yet finished (arm by arm,
+    seed by seed), calibrating ``calibrated_low`` at ``study.low_tau`` first when it has no schedule,
+    then write ``<workdir>/report.json`` (the table under ``arms``, :func:`arm_summary` per arm),
+    ``study.png`` (the first seed's steps) and ``headline.png`` from the arms' logs."""
     if not os.path.exists(os.path.join(spec.workdir, "schedule.json")):
         calibrate_run(spec)
     calibrated = build_schedule(spec.schedule, spec.workdir)
-    arms, histograms, num_prompts = {}, {}, 0
+    seeds = study_seeds(spec)
+    runs: dict[str, dict[int, SeedRun]] = {}
     for arm in spec.study.arms:
-        arm_spec = _arm_spec(spec, arm)
-        schedule = (calibrated,) if arm in ("calibrated", "online_distill") else ()  # else the arm's own
-        num_prompts = run_arm(arm_spec, lambda: build_run_context(arm_spec, *schedule), arm)["train_prompts"]
-        arms[arm], histograms[arm] = read_metrics(arm_spec.workdir), read_histograms(arm_spec.workdir)
-    plot_study({a: training_rows(r) for a, r in arms.items()}, os.path.join(spec.workdir, "study.png"))
+        if arm == "calibrated_low":
+            low = _low_calibration_spec(spec)
+            if not os.path.exists(os.path.join(low.workdir, "schedule.json")):
+                calibrate_run(low)
+        runs[arm] = {seed: _run_arm(spec, arm, seed, calibrated) for seed in seeds}
+    num_prompts = runs[spec.study.arms[-1]][seeds[-1]].report["train_prompts"]
+    seed_rows = {a: [training_rows(run.records) for run in by_seed.values()] for a, by_seed in runs.items()}
+    plot_study({a: r[0] for a, r in seed_rows.items()}, os.path.join(spec.workdir, "study.png"))
     window = reward_window(num_prompts, spec.rollout.prompts_per_step, spec.steps)
-    table = {a: arm_row(spec, a, records, histograms[a], window) for a, records in arms.items()}
-    if "calibrated" in arms:  # is an arm's reward worse than the calibrated schedule's, beyond noise?
-        for a, records in arms.items():
-            table[a]["reward_vs_calibrated"] = paired_reward_diff(training_rows(records),
-                                                                  training_rows(arms["calibrated"]))
-    report = {"arms": table, "tau": spec.calibration.tau, "calibrated_topk": list(calibrated.topk),
-              "aggressive_topk": spec.study.aggressive_topk, "steps": spec.steps}
+    rows = {a: {s: arm_row(_arm_spec(spec, a, s), a, run.records, run.histograms, window)
+                for s, run in by_seed.items()} for a, by_seed in runs.items()}
+    if "calibrated" in runs:  # is an arm's reward worse than the calibrated schedule's, beyond noise?
+        for a, by_seed in runs.items():
+            for s, run in by_seed.items():
+                rows[a][s]["reward_vs_calibrated"] = paired_reward_diff(
+                    training_rows(run.records), training_rows(runs["calibrated"][s].records))
+    table = {a: arm_summary(_arm_spec(spec, a), rows[a], runs[a]) for a in runs}
+    relative_step_time(table)
+    plot_headline(table, seed_rows, os.path.join(spec.workdir, "headline.png"),
+                  taus={a: _arm_spec(spec, a).calibration.tau for a in runs})
+    report = {"arms": table, "seeds": list(seeds), "tau": spec.calibration.tau,
+              "calibrated_topk": list(calibrated.topk), "aggressive_topk": spec.study.aggressive_topk,
+              "steps": spec.steps}
+    if "calibrated_low" in runs:
+        report["low_tau"] = spec.study.low_tau
     atomic_write_json(os.path.join(spec.workdir, "report.json"), report)
     print_study(report)
     return report
 
 
 def print_study(report: dict) -> None:
-    """The study table, one line per arm, then the report as one JSON line."""
+    """The study table, one line per arm (dense held-out reward over seeds start -> end with standard
+    errors, its change and curve area, sampled reward, min pooled p5, generated tokens per rollout
+    second, paired speedup, step time relative to dense, share of visible pages kept, predicted cost
+    relative to dense), then the report as one JSON line."""
     fmt = lambda x, f=".3f": "-" if x is None else format(x, f)  # noqa: E731
+    pm = lambda x, se: fmt(x) if se is None else f"{fmt(x)}±{fmt(se)}"  # noqa: E731
     for a, row in report["arms"].items():
-        val = row.get("val_dense") or {}
-        print(f"[study] {a:>17}: reward {fmt(row['reward_start'])} -> {fmt(row['reward_end'])}, dense val "
-              f"{fmt(val.get('start'))} -> {fmt(val.get('end'))}, min p5 {fmt(row['min_p5'])}, "
-              f"{fmt(row['gen_tokens_per_s'], '.0f')} gen tok/s, predicted cost {fmt(row.get('predicted_cost_end'))}",
-              flush=True)
+        val = row.get("held_out") or {}
+        print(f"[study] {a:>17}: dense val {pm(val.get('start'), val.get('start_se'))} -> "
+              f"{pm(val.get('end'), val.get('end_se'))} (change {pm(val.get('change'), val.get('change_se'))}, "
+              f"area {fmt(val.get('auc'))}), reward {fmt(row['reward_start'])} -> {fmt(row['reward_end'])}, "
+              f"min p5 {fmt(row['min_p5'])}, {fmt(row['gen_tokens_per_s'], '.0f')} gen tok/s, speedup "
+              f"{fmt(row.get('rollout_speedup'), '.2f')}x, step time vs dense "
+              f"{fmt(row.get('step_time_vs_dense'), '.2f')}x, kept pages {fmt(row.get('kept_page_share'))}, "
+              f"predicted cost {fmt(row.get('predicted_cost_end'))}", flush=True)
     print(json.dumps(report))

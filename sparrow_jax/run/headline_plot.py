@@ -1,0 +1,79 @@
+"""``headline.png``: the study's headline figure from its table and the arms' logged steps.
+
+Panels: the dense held-out reward per arm over steps (mean over seeds, shaded +-1 standard error:
+``held_out.curve`` of :func:`sparrow_jax.run.headline.arm_summary`), generated tokens per rollout
+second per arm (mean over seeds per step), then per sparse arm its per-bin p5 over the first
+seed's steps beside its tau. Draws through :func:`sparrow_jax.io.plots.plot_panels`; imports io and nothing of the
+run layer.
+"""
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import numpy as np
+
+from sparrow_jax.io.plots import plot_panels
+
+_P5, _COUNT, _TOPK = "mismatch/alpha_p5/bin_", "mismatch/count/bin_", "schedule/topk/bin_"
+
+
+def held_out_panel(table: dict[str, dict]) -> tuple:
+    """(title, ylabel, series, bands) of the arms' dense held-out curves; series empty without any."""
+    series, bands = {}, {}
+    for arm, row in table.items():
+        curve = (row.get("held_out") or {}).get("curve") or []
+        points = [(p["step"], p["mean"], p["se"]) for p in curve if p["mean"] is not None]
+        if not points:
+            continue
+        steps, means, ses = (list(v) for v in zip(*points))
+        series[arm] = (steps, means)
+        if all(se is not None for se in ses):
+            bands[arm] = (steps, np.subtract(means, ses), np.add(means, ses))
+    metric = next((row["held_out"]["metric"] for row in table.values() if row.get("held_out")), "reward")
+    return "dense held-out reward (mean over seeds, +-1 se)", metric, series, bands
+
+
+def tokens_per_s(rows_by_seed: list[list[dict]]) -> tuple[list, list]:
+    """(steps, generated tokens per rollout second averaged over the seeds logging the step)."""
+    per_step: dict[int, list[float]] = {}
+    for rows in rows_by_seed:
+        for r in rows:
+            if r.get("rollout/decode_s", 0) > 0:
+                per_step.setdefault(r["step"], []).append(r["rollout/generated_tokens"] / r["rollout/decode_s"])
+    steps = sorted(per_step)
+    return steps, [float(np.mean(per_step[s])) for s in steps]
+
+
+def p5_by_bin_over_steps(rows: list[dict]) -> dict[str, tuple[list, list]]:
+    """``{"bin <start>": (steps, p5 per step, NaN where the bin got no tokens)}`` of the bins that
+    received tokens at some step."""
+    starts = sorted({int(k[len(_COUNT):]) for r in rows for k in r if k.startswith(_COUNT) and r[k] > 0})
+    steps = [r["step"] for r in rows]
+    return {f"bin {b}": (steps, [r.get(f"{_P5}{b}", np.nan) if r.get(f"{_COUNT}{b}", 0) > 0 else np.nan
+                                 for r in rows]) for b in starts}
+
+
+def plot_headline(table: dict[str, dict], rows: dict[str, list[list[dict]]], path: str | os.PathLike,
+                  taus: Optional[dict[str, float]] = None) -> bool:
+    """Write ``headline.png`` at ``path``. ``table``: the study's per-arm rows; ``rows``: per arm, each
+    seed's training rows (first seed first); ``taus``: per arm the tau its p5 panel draws as a line.
+    An arm is sparse when it logged a schedule's top-k (``schedule/topk/bin_*``). Panels without data
+    are left out; returns False (nothing written) when no panel has any."""
+    title, ylabel, series, bands = held_out_panel(table)
+    panels = [(title, ylabel, series, bands)]
+    speed = {arm: tokens_per_s(seeds) for arm, seeds in rows.items()}
+    panels.append(("generated tokens per rollout second", "tok/s", {a: s for a, s in speed.items() if s[0]}))
+    for arm, seeds in rows.items():
+        first = seeds[0] if seeds else []
+        if any(k.startswith(_TOPK) for r in first for k in r):
+            series = p5_by_bin_over_steps(first)
+            if series and taus and arm in taus:
+                steps = [r["step"] for r in first]
+                series[f"tau {taus[arm]:g}"] = (steps, [taus[arm]] * len(steps))
+            panels.append((f"p5 per bin: {arm} (seed {table[arm]['seeds'][0]})", "alpha p5", series))
+    panels = [p for p in panels if p[2]]
+    if not panels:
+        return False
+    plot_panels(panels, path, columns=3)
+    return True
