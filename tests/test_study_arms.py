@@ -35,7 +35,7 @@ def test_arm_specs_set_schedule_and_distill_per_arm():
 
 
 def test_the_distill_comparison_arm_is_the_same_run_without_the_lora():
-    from configs.distill_tiny import get_config
+    from configs.distill_long_trace import get_config
 
     spec = parse_spec(get_config())
     arm = without_lora_spec(spec)

@@ -20,7 +20,7 @@ from configs.long_trace import get_config as long_trace_config
 
 def get_config():
     c = long_trace_config()
-    c.workdir = "runs/distill_tiny"
+    c.workdir = "runs/distill_long_trace"
     c.schedule.kind = "fixed"
     c.schedule.topk = 1  # aggressive: 1 page + 3 reserved of contexts up to 1592 tokens
     c.schedule.bin_width = 32
