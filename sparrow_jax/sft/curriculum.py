@@ -1,7 +1,7 @@
 """The warm-up's schedule: which rows each step trains on (curriculum stage or final phase),
 the phases that continue another warm-up, and each phase's learning-rate schedule.
 
-Imports :mod:`settings`.
+Imports :mod:`settings` and the shared optimiser chain (:mod:`sparrow_jax.optim`).
 """
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from typing import Any
 
 import optax
 
+from sparrow_jax.optim import clipped_adam
 from sparrow_jax.sft.settings import WarmupSettings
 
 
@@ -59,5 +60,4 @@ def make_optimizer(settings: WarmupSettings, phase: str = "main") -> optax.Gradi
     steps, lr = phase_steps_lr(settings, phase)
     warm = max(1, int(settings.warmup_frac * steps))
     sched = optax.warmup_cosine_decay_schedule(0.0, lr, warm, max(steps, warm + 1), end_value=0.1 * lr)
-    chain = [optax.clip_by_global_norm(settings.max_grad_norm)] if settings.max_grad_norm > 0 else []
-    return optax.chain(*chain, optax.adamw(sched, b1=0.9, b2=0.98, weight_decay=settings.weight_decay))
+    return clipped_adam(sched, settings.max_grad_norm, weight_decay=settings.weight_decay, b2=0.98)
