@@ -2,7 +2,7 @@
 by context length and by trace length (the sampler's dense decode, or a sparse actor with a
 schedule).
 
-Imports data, models, rollout and :mod:`examples`.
+Imports data, models, rollout, :mod:`examples` and :mod:`recurrence_rows`.
 """
 from __future__ import annotations
 
