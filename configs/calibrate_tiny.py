@@ -17,7 +17,7 @@ def get_config():
         hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
         head_dim=32, intermediate_size=256, tie_word_embeddings=True, rope_theta=10000.0,
         max_position_embeddings=8192))
-    # Warm-up SFT settings (sparrow_jax.sft.warmup.WarmupSettings); the RL trainer reads them too.
+    # Warm-up SFT settings (sparrow_jax.sft.settings.WarmupSettings); the RL trainer reads them too.
     # prompt_weight 0.3: the records' NLL also trains the copy (induction) heads; measured at 600
     # steps, greedy accuracy at 64/128/256 tokens 42/36/16% with it vs 16/22/9% without.
     c.model.warmup = warmup_config()

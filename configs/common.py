@@ -34,7 +34,7 @@ def model_config() -> ConfigDict:
 
 def warmup_config() -> ConfigDict:
     """Optional block ``model.warmup`` (model.source warmup): the warm-up SFT's settings
-    (sparrow_jax.sft.warmup.WarmupSettings, whose defaults these are; a test checks) and its cache."""
+    (sparrow_jax.sft.settings.WarmupSettings, whose defaults these are; a test checks) and its cache."""
     return ConfigDict(dict(
         steps=800,  # optimiser steps of the main phase
         batch_size=32,  # rows per step

@@ -32,7 +32,7 @@ def get_config():
         hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
         head_dim=32, intermediate_size=256, tie_word_embeddings=True, rope_theta=10000.0,
         max_position_embeddings=4096))
-    # Warm-up SFT (sparrow_jax.sft.warmup.WarmupSettings): a curriculum of growing rows. The lookup
+    # Warm-up SFT (sparrow_jax.sft.settings.WarmupSettings): a curriculum of growing rows. The lookup
     # emerges only with a handful of records per row (contexts <= 32 tokens, <= 3 hops: reference
     # NLL ~0.15 by step 200, ~0.01 once the values are right); rows then grow 2x per stage so the
     # model keeps it at new positions, and the last 100 steps train on the task's own rows.

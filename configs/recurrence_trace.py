@@ -22,7 +22,7 @@ def get_config():
         hidden_size=128, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
         head_dim=32, intermediate_size=256, tie_word_embeddings=True, rope_theta=10000.0,
         max_position_embeddings=4096))
-    # Warm-up SFT (sparrow_jax.sft.warmup.WarmupSettings; for this task a curriculum stage's
+    # Warm-up SFT (sparrow_jax.sft.settings.WarmupSettings; for this task a curriculum stage's
     # max_context caps the table in tokens, pruned to the keys the trace reads plus others, and
     # max_hops caps the trace's min_lines): short traces over a handful of records first, then
     # longer traces and the whole table.

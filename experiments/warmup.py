@@ -19,14 +19,16 @@ from sparrow_jax.run.cli import config_main, define_config_flag
 def main(spec, sparse_check: bool = True, shipped: bool = True) -> None:
     import dataclasses
 
-    from sparrow_jax.sft import warmup as W  # deferred: keeps --help fast
-    from sparrow_jax.run.context import build_run_context, schedule_layout
+    from sparrow_jax.run.context import build_run_context, schedule_layout  # deferred: keeps --help fast
+    from sparrow_jax.sft.cache import read_warmup_meta
+    from sparrow_jax.sft.evaluate import accuracy_by_length
+    from sparrow_jax.sft.warmup import warmup_model
 
     spec = dataclasses.replace(spec, model=dataclasses.replace(spec.model, source="warmup"))
     # Train (or find shipped / cached) first, so --noshipped retrains even when a checkpoint ships.
-    path = W.warmup_model(spec.model, spec.task, use_shipped=shipped)
+    path = warmup_model(spec.model, spec.task, use_shipped=shipped)
     ctx = build_run_context(spec, schedule=None)  # the run's model (for the sparse check)
-    meta = W.read_warmup_meta(path)
+    meta = read_warmup_meta(path)
     print(f"checkpoint: {path}")
     length = f"{meta['task']['hops']} hops" if "hops" in meta["task"] else f"{meta['task']['min_lines']} lines"
     print(f"greedy accuracy by context length ({meta['eval_prompts']} held-out prompts each, "
@@ -54,8 +56,8 @@ def main(spec, sparse_check: bool = True, shipped: bool = True) -> None:
         sparse = {}
         for k in spec.calibration.budgets:
             sched = schedule_layout(s, int(k))
-            sparse[str(k)] = W.accuracy_by_length(ctx.model_config, ctx.params, knobs, [context],
-                                                  schedule=sched)[context]
+            sparse[str(k)] = accuracy_by_length(ctx.model_config, ctx.params, knobs, [context],
+                                                schedule=sched)[context]
         print(f"sparse actor accuracy at context {context} by top-k pages of {s.page_size} "
               f"(+{s.reserved_first + s.reserved_last} reserved; dense layers {list(s.dense_layers)}); "
               f"dense {meta['accuracy_by_length'].get(str(context))}:")

@@ -102,11 +102,12 @@ def test_probes_give_their_fields_error():
 
 
 def test_optional_blocks_defaults_are_the_codes():
-    from sparrow_jax.sft import warmup
+    from sparrow_jax.sft.cache import DEFAULT_CACHE_DIR
+    from sparrow_jax.sft.settings import _NOT_HASHED, WarmupSettings
     block = common.warmup_config()
-    settings = {f.name: f.default for f in dataclasses.fields(warmup.WarmupSettings)}
-    assert set(block) == set(settings) | set(warmup._NOT_HASHED)
+    settings = {f.name: f.default for f in dataclasses.fields(WarmupSettings)}
+    assert set(block) == set(settings) | set(_NOT_HASHED)
     assert {k: block[k] for k in settings} == settings
-    assert block.cache_dir == warmup.DEFAULT_CACHE_DIR and not block.eval_lengths and not block.eval_hops
+    assert block.cache_dir == DEFAULT_CACHE_DIR and not block.eval_lengths and not block.eval_hops
     study = {f.name: f.default for f in dataclasses.fields(specs.StudySpec)}
     assert common.study_config().arms == study["arms"]

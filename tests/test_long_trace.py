@@ -10,7 +10,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from sparrow_jax.sft import warmup as W
+from sparrow_jax.models.config import Qwen3Config
+from sparrow_jax.sft.batches import final_batch, make_batch, training_batch, training_length
+from sparrow_jax.sft.cache import FORMAT, SHIPPED_DIR, read_warmup_meta, shipped_checkpoint, warmup_key
+from sparrow_jax.sft.curriculum import continued_warmup, final_phase_start, make_optimizer, stage_settings
+from sparrow_jax.sft.examples import generate_examples, max_reference_tokens, sequence_length, task_knobs
+from sparrow_jax.sft.settings import WarmupSettings, warmup_architecture, warmup_settings
+from sparrow_jax.sft.warmup import warmup_model
+from sparrow_jax.sft import cache as sft_cache
 from sparrow_jax.mismatch.calibrate import sparse_token_fraction
 from sparrow_jax.rollout import SparsitySchedule
 
@@ -50,29 +57,29 @@ def test_warmup_long_trace_rows_and_final_phase():
 
     tok = BuiltinTokenizer()
     knobs = dict(name="pointer_trace", context_tokens=300, hops=40, distractor_frac=0.5, key_len=2)
-    settings = W.WarmupSettings(steps=10, batch_size=3, min_context=32, max_train_context=64, max_train_hops=6,
-                                queries_per_example=1, final_frac=0.2, final_batch_size=2)
-    assert W.max_reference_tokens(knobs) == 41 * 6 + 5 + 1       # 41 lines of 6 tokens, answer, <eos>
-    seq_len = W.training_length(knobs, settings)
-    tokens, ref_mask, _ = W.training_batch(knobs, settings, 0, tok, seq_len)
+    settings = WarmupSettings(steps=10, batch_size=3, min_context=32, max_train_context=64, max_train_hops=6,
+                              queries_per_example=1, final_frac=0.2, final_batch_size=2)
+    assert max_reference_tokens(knobs) == 41 * 6 + 5 + 1       # 41 lines of 6 tokens, answer, <eos>
+    seq_len = training_length(knobs, settings)
+    tokens, ref_mask, _ = training_batch(knobs, settings, 0, tok, seq_len)
     for b in range(3):                                            # short rows: <= 6 hops -> <= 7 lines
         lines = tok.decode(tokens[b][ref_mask[b]]).split("\n")
         assert 2 <= len(lines) - 1 <= 7 and lines[-1].startswith("answer: ")
-    assert W.final_phase_start(settings) == 8
-    final = W.final_batch(knobs, settings, 8, tok, W.sequence_length(knobs))[1]
+    assert final_phase_start(settings) == 8
+    final = final_batch(knobs, settings, 8, tok, sequence_length(knobs))[1]
     assert final.shape[0] == 2 and (final.sum(axis=1) == 41 * 6 + 5 + 1).all()  # the task's own 40 hops
     with pytest.raises(ValueError, match="final_frac"):
-        W.WarmupSettings(final_frac=1.0)
+        WarmupSettings(final_frac=1.0)
     with pytest.raises(ValueError, match="refine_steps"):
-        W.WarmupSettings(refine_steps=-1)
+        WarmupSettings(refine_steps=-1)
     # no refine phase: the cache key of settings from before the refine fields existed
-    config = W.warmup_architecture(parse_spec(base_config()).model)
-    plain = W.warmup_key(config, knobs, settings)
-    assert W.warmup_key(config, knobs, dataclasses.replace(settings, refine_lr=5e-4)) == plain
-    assert W.warmup_key(config, knobs, dataclasses.replace(settings, refine_steps=3)) != plain
+    config = warmup_architecture(parse_spec(base_config()).model)
+    plain = warmup_key(config, knobs, settings)
+    assert warmup_key(config, knobs, dataclasses.replace(settings, refine_lr=5e-4)) == plain
+    assert warmup_key(config, knobs, dataclasses.replace(settings, refine_steps=3)) != plain
     # the refine run: its own warm-up and peak, decaying to 10% of refine_lr over refine_steps
     refine = dataclasses.replace(settings, refine_steps=40, refine_lr=1e-3)
-    opt = W.make_optimizer(refine, "refine")
+    opt = make_optimizer(refine, "refine")
     params, state, lrs = {"w": jnp.zeros(1)}, None, []
     state = opt.init(params)
     for _ in range(40):  # a constant unit gradient: Adam's step is the learning rate itself
@@ -103,30 +110,30 @@ def test_warmup_preamble_phase_continues_the_warmup_without_it(tmp_path, monkeyp
     from sparrow_jax.models.tokenizer import BuiltinTokenizer
     from sparrow_jax.run.specs import parse_spec
 
-    monkeypatch.setattr(W, "SHIPPED_DIR", str(tmp_path / "shipped"))
+    monkeypatch.setattr(sft_cache, "SHIPPED_DIR", str(tmp_path / "shipped"))
     plain, padded = (parse_spec(_tiny_trace_config(*args)) for args in ((0, 0), (40, 2)))
-    plain_key = W.warmup_key(W.warmup_architecture(plain.model), W.task_knobs(plain.task),
-                             W.warmup_settings(plain.model))
-    path = W.warmup_model(padded.model, padded.task, cache_dir=str(tmp_path / "cache"), progress=False,
-                          eval_lengths=[48], eval_prompts=1)
-    meta = W.read_warmup_meta(path)
-    assert meta["task"]["preamble_tokens"] == 40 and "preamble_tokens" not in W.task_knobs(plain.task)
+    plain_key = warmup_key(warmup_architecture(plain.model), task_knobs(plain.task),
+                           warmup_settings(plain.model))
+    path = warmup_model(padded.model, padded.task, cache_dir=str(tmp_path / "cache"), progress=False,
+                        eval_lengths=[48], eval_prompts=1)
+    meta = read_warmup_meta(path)
+    assert meta["task"]["preamble_tokens"] == 40 and "preamble_tokens" not in task_knobs(plain.task)
     assert meta["base_key"] == plain_key != meta["key"]      # the warm-up without the preamble, as its own key
     assert os.path.isdir(tmp_path / "cache" / f"warmup-{plain_key}") and meta["preamble_seconds"] > 0
     # logged: every 25th step and each phase's last; main 0-1, refine 2, preamble 3-4
     assert [step for step, _ in meta["loss_curve"]] == [0, 1, 2, 4]
     # the preamble phase's rows: the task's own, preamble first
-    knobs, tok = W.task_knobs(padded.task), BuiltinTokenizer()
-    tokens, ref_mask, _ = W.final_batch(knobs, W.warmup_settings(padded.model), 3, tok, W.sequence_length(knobs))
+    knobs, tok = task_knobs(padded.task), BuiltinTokenizer()
+    tokens, ref_mask, _ = final_batch(knobs, warmup_settings(padded.model), 3, tok, sequence_length(knobs))
     row = tok.decode(tokens[0])
     assert row[:39].replace(" ", "").isupper() and row[39] == "\n" and row[40:].split("\n")[0].count("=") >= 5
     # preamble 40 + records <= 48 + 2 * 2 + 2 + reference 5 lines * 6 + "answer: xx" 5 + <eos>: 130 -> 160
-    assert W.max_reference_tokens(knobs) == 36 and W.sequence_length(knobs) == 160
-    assert W.sequence_length(W.task_knobs(plain.task)) == 96
+    assert max_reference_tokens(knobs) == 36 and sequence_length(knobs) == 160
+    assert sequence_length(task_knobs(plain.task)) == 96
     with pytest.raises(ValueError, match="needs model.warmup.preamble_steps"):
-        W.warmup_model(parse_spec(_tiny_trace_config(40, 0)).model, padded.task, cache_dir=str(tmp_path / "c2"))
+        warmup_model(parse_spec(_tiny_trace_config(40, 0)).model, padded.task, cache_dir=str(tmp_path / "c2"))
     with pytest.raises(ValueError, match="needs task.preamble_tokens"):
-        W.warmup_model(padded.model, plain.task, cache_dir=str(tmp_path / "c2"))
+        warmup_model(padded.model, plain.task, cache_dir=str(tmp_path / "c2"))
 
 
 def test_warmup_on_pointer_trace_then_found_as_shipped(tmp_path, monkeypatch):
@@ -137,24 +144,24 @@ def test_warmup_on_pointer_trace_then_found_as_shipped(tmp_path, monkeypatch):
 
     spec = parse_spec(_tiny_trace_config())
     m, t = spec.model, spec.task
-    monkeypatch.setattr(W, "SHIPPED_DIR", str(tmp_path / "shipped"))
-    path = W.warmup_model(m, t, cache_dir=str(tmp_path / "cache"), progress=False, eval_lengths=[48],
-                          eval_prompts=1)
-    meta = W.read_warmup_meta(path)
+    monkeypatch.setattr(sft_cache, "SHIPPED_DIR", str(tmp_path / "shipped"))
+    path = warmup_model(m, t, cache_dir=str(tmp_path / "cache"), progress=False, eval_lengths=[48],
+                        eval_prompts=1)
+    meta = read_warmup_meta(path)
     assert meta["task"] == dict(name="pointer_trace", context_tokens=48, hops=4, distractor_frac=0.5, key_len=2)
     assert set(meta["accuracy_by_hops"]["2"]) == {"reward", "solved"}
     assert meta["key"] == os.path.basename(path).split("-", 1)[1]
     assert [step for step, _ in meta["loss_curve"]] == [0, 1, 2]  # 2 main steps, then the refine step
     base = tmp_path / "cache" / f"warmup-{meta['base_key']}"       # the main phase: its own warm-up
-    assert W.read_warmup_meta(str(base))["train"]["refine_steps"] == 0 and meta["refine_seconds"] > 0
+    assert read_warmup_meta(str(base))["train"]["refine_steps"] == 0 and meta["refine_seconds"] > 0
     shutil.copytree(path, tmp_path / "shipped" / "tiny_trace")
     shutil.rmtree(path)                                       # not cached any more: found shipped, not retrained
-    found = W.warmup_model(m, t, cache_dir=str(tmp_path / "cache"), progress=False)
+    found = warmup_model(m, t, cache_dir=str(tmp_path / "cache"), progress=False)
     assert found == str(tmp_path / "shipped" / "tiny_trace") and not os.path.exists(path)
-    assert W.shipped_checkpoint("0" * 16, str(tmp_path / "shipped")) is None
+    assert shipped_checkpoint("0" * 16, str(tmp_path / "shipped")) is None
     # deterministic: retraining the same settings elsewhere writes bit-identical weights
-    again = W.warmup_model(m, t, cache_dir=str(tmp_path / "again"), progress=False, eval_lengths=[],
-                           eval_prompts=1, use_shipped=False)
+    again = warmup_model(m, t, cache_dir=str(tmp_path / "again"), progress=False, eval_lengths=[],
+                         eval_prompts=1, use_shipped=False)
     first, second = (jax.tree_util.tree_leaves(load_hf(p)[1]) for p in (found, again))
     assert all(np.array_equal(np.asarray(x), np.asarray(y)) for x, y in zip(first, second))
 
@@ -191,9 +198,9 @@ def test_extra_questions_are_refused_outside_pointer_chase():
     from sparrow_jax.models.tokenizer import BuiltinTokenizer
 
     knobs = dict(name="pointer_trace", context_tokens=120, hops=4, distractor_frac=0.5, key_len=2)
-    settings = W.WarmupSettings(steps=2, batch_size=1, queries_per_example=2)
+    settings = WarmupSettings(steps=2, batch_size=1, queries_per_example=2)
     with pytest.raises(ValueError, match="queries_per_example=2.*only for pointer_chase"):
-        W.training_batch(knobs, settings, 0, BuiltinTokenizer(), 512)
+        training_batch(knobs, settings, 0, BuiltinTokenizer(), 512)
 
 
 def test_warmup_curriculum_stages_set_rows_contexts_and_hops():
@@ -201,33 +208,33 @@ def test_warmup_curriculum_stages_set_rows_contexts_and_hops():
 
     tok = BuiltinTokenizer()
     knobs = dict(name="pointer_trace", context_tokens=300, hops=40, distractor_frac=0.5, key_len=2)
-    settings = W.WarmupSettings(steps=10, min_context=16, queries_per_example=1, final_frac=0.2,
-                                curriculum=[[3, 48, 2, 4], [5, 128, 9, 2]])
+    settings = WarmupSettings(steps=10, min_context=16, queries_per_example=1, final_frac=0.2,
+                              curriculum=[[3, 48, 2, 4], [5, 128, 9, 2]])
     assert settings.curriculum == ((3, 48, 2, 4), (5, 128, 9, 2))  # lists from a config: hashable
     for step, (rows, context, hops) in [(0, (4, 48, 2)), (2, (4, 48, 2)), (3, (2, 128, 9)), (7, (2, 128, 9))]:
-        stage = W.stage_settings(settings, step)
+        stage = stage_settings(settings, step)
         assert (stage.batch_size, stage.max_train_context, stage.max_train_hops) == (rows, context, hops)
-        tokens, ref_mask, _ = W.training_batch(knobs, stage, step, tok, W.training_length(knobs, stage))
+        tokens, ref_mask, _ = training_batch(knobs, stage, step, tok, training_length(knobs, stage))
         assert tokens.shape[0] == rows
         for b in range(rows):
             lines = tok.decode(tokens[b][ref_mask[b]]).split("\n")
             assert 2 <= len(lines) - 1 <= hops + 1                     # <= hops + 1 record lines
             prompt = tok.decode(tokens[b][~ref_mask[b] & (tokens[b] != tok.pad_id)]).split("\n")[0]
             assert len(tok.encode(prompt)) <= max(context, 6 * (hops + 1)) + 6
-    assert W.training_length(knobs, W.stage_settings(settings, 0)) < W.training_length(knobs, W.stage_settings(settings, 3))
+    assert training_length(knobs, stage_settings(settings, 0)) < training_length(knobs, stage_settings(settings, 3))
     # a curriculum enters the cache key; no curriculum leaves the key as it was before the field existed
-    config = W.Qwen3Config(vocab_size=111, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
-                           num_key_value_heads=1, head_dim=16, intermediate_size=64, max_position_embeddings=1024)
+    config = Qwen3Config(vocab_size=111, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                         num_key_value_heads=1, head_dim=16, intermediate_size=64, max_position_embeddings=1024)
     plain = dataclasses.replace(settings, curriculum=())
-    assert W.warmup_key(config, knobs, settings) != W.warmup_key(config, knobs, plain)
+    assert warmup_key(config, knobs, settings) != warmup_key(config, knobs, plain)
     legacy = {k: v for k, v in dataclasses.asdict(plain).items()  # nor do the refine and preamble fields, unused
               if k != "curriculum" and not k.startswith(("refine_", "preamble_"))}
-    blob = json.dumps(dict(format=W.FORMAT, arch=dataclasses.asdict(config), task=knobs, train=legacy), sort_keys=True)
-    assert W.warmup_key(config, knobs, plain) == hashlib.sha256(blob.encode()).hexdigest()[:16]
+    blob = json.dumps(dict(format=FORMAT, arch=dataclasses.asdict(config), task=knobs, train=legacy), sort_keys=True)
+    assert warmup_key(config, knobs, plain) == hashlib.sha256(blob.encode()).hexdigest()[:16]
     with pytest.raises(ValueError, match="add up to 7, but the phase before the final one has 8"):
-        W.WarmupSettings(steps=10, final_frac=0.2, curriculum=((3, 48, 2, 4), (4, 128, 9, 2)))
+        WarmupSettings(steps=10, final_frac=0.2, curriculum=((3, 48, 2, 4), (4, 128, 9, 2)))
     with pytest.raises(ValueError, match="positive ints"):
-        W.WarmupSettings(steps=10, final_frac=0.2, curriculum=((8, 48, 0, 4),))
+        WarmupSettings(steps=10, final_frac=0.2, curriculum=((8, 48, 0, 4),))
 
 
 def _trained_with(train: dict) -> dict:
@@ -252,18 +259,18 @@ def test_shipped_checkpoint_is_the_configs_warmup_and_looks_up_values(name):
     from sparrow_jax.run.specs import parse_spec
 
     spec = parse_spec(importlib.import_module(f"configs.{name}").get_config())
-    config, knobs = W.warmup_architecture(spec.model), W.task_knobs(spec.task)
-    settings = W.warmup_settings(spec.model)
-    path = W.shipped_checkpoint(W.warmup_key(config, knobs, settings))
-    assert path is not None and os.path.dirname(path) == W.SHIPPED_DIR
-    meta = W.read_warmup_meta(path)
+    config, knobs = warmup_architecture(spec.model), task_knobs(spec.task)
+    settings = warmup_settings(spec.model)
+    path = shipped_checkpoint(warmup_key(config, knobs, settings))
+    assert path is not None and os.path.dirname(path) == SHIPPED_DIR
+    meta = read_warmup_meta(path)
     assert meta["task"] == knobs and meta["tokenizer"] == "builtin"
     assert _trained_with(meta["train"]) == _trained_with(dataclasses.asdict(settings))
     # its base ships too: the warm-up command retrains only the last phase
-    _, base_knobs, base_settings = W.continued_warmup(knobs, settings)
-    base = W.shipped_checkpoint(meta["base_key"])
-    assert base is not None and base != path and meta["base_key"] == W.warmup_key(config, base_knobs, base_settings)
-    assert _trained_with(W.read_warmup_meta(base)["train"]) == _trained_with(dataclasses.asdict(base_settings))
+    _, base_knobs, base_settings = continued_warmup(knobs, settings)
+    base = shipped_checkpoint(meta["base_key"])
+    assert base is not None and base != path and meta["base_key"] == warmup_key(config, base_knobs, base_settings)
+    assert _trained_with(read_warmup_meta(base)["train"]) == _trained_with(dataclasses.asdict(base_settings))
     assert sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path)) <= 5 * 2 ** 20
     loaded, params = load_hf(path)
     assert (loaded.num_hidden_layers, loaded.hidden_size, loaded.vocab_size) == (
@@ -274,9 +281,9 @@ def test_shipped_checkpoint_is_the_configs_warmup_and_looks_up_values(name):
     from sparrow_jax.models.forward import dense_hidden, unembedding
     from sparrow_jax.models.tokenizer import BuiltinTokenizer
 
-    rows = W.generate_examples(knobs, 2, seed=987_654)
-    length = W.sequence_length(knobs)
-    tokens, ref_mask, _ = W.make_batch(rows, knobs["name"], BuiltinTokenizer(), length)
+    rows = generate_examples(knobs, 2, seed=987_654)
+    length = sequence_length(knobs)
+    tokens, ref_mask, _ = make_batch(rows, knobs["name"], BuiltinTokenizer(), length)
     hidden = dense_hidden(loaded, params, jnp.asarray(tokens), chunk=length)
     predicted = np.asarray(jnp.argmax(hidden @ unembedding(loaded, params), axis=-1))
     right = []
@@ -327,7 +334,7 @@ def test_isolate_chain_reaches_rl_rows_and_calibration_prompts_not_the_warmup_ke
     spec = parse_spec(cfg)
     assert spec.task.isolate_chain
     cfg.task.isolate_chain = False
-    assert W.task_knobs(spec.task) == W.task_knobs(parse_spec(cfg).task)
+    assert task_knobs(spec.task) == task_knobs(parse_spec(cfg).task)
 
     class Ctx:  # what task_prompts reads from a run context
         task = get_task(spec.task.name)

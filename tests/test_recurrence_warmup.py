@@ -12,7 +12,12 @@ from sparrow_jax.data.tasks import recurrence_trace as rt
 from sparrow_jax.models.tokenizer import BuiltinTokenizer
 from sparrow_jax.run.specs import parse_spec
 from sparrow_jax.sft import recurrence_rows as R
-from sparrow_jax.sft import warmup as W
+from sparrow_jax.sft.batches import final_batch, training_batch, training_length
+from sparrow_jax.sft.cache import read_warmup_meta
+from sparrow_jax.sft.curriculum import stage_settings
+from sparrow_jax.sft.examples import generate_examples, sequence_length, task_knobs
+from sparrow_jax.sft.settings import warmup_settings
+from sparrow_jax.sft.warmup import warmup_model
 
 TINY_ARCH = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
                  head_dim=16, intermediate_size=64, tie_word_embeddings=True, rope_theta=10000.0,
@@ -30,16 +35,16 @@ def _spec(min_lines=0, far_every=0, **warmup):
 
 
 def test_task_knobs_resolve_the_generator_defaults():
-    assert W.task_knobs(_spec().task) == dict(name="recurrence_trace", context_tokens=512, min_lines=100,
-                                              far_every=10, gap_tokens=0)
-    assert W.task_knobs(_spec(min_lines=40, far_every=5).task)["min_lines"] == 40
-    knobs = W.task_knobs(_spec(min_lines=40, far_every=5).task)
-    assert W.generate_examples(knobs, 2, 9) == rt.generate(2, 9, context_tokens=512, min_lines=40, far_every=5)
+    assert task_knobs(_spec().task) == dict(name="recurrence_trace", context_tokens=512, min_lines=100,
+                                            far_every=10, gap_tokens=0)
+    assert task_knobs(_spec(min_lines=40, far_every=5).task)["min_lines"] == 40
+    knobs = task_knobs(_spec(min_lines=40, far_every=5).task)
+    assert generate_examples(knobs, 2, 9) == rt.generate(2, 9, context_tokens=512, min_lines=40, far_every=5)
 
 
 @pytest.mark.parametrize("table", [0, 24, 120])
 def test_pruned_tables_keep_every_key_the_trace_reads(table):
-    knobs = W.task_knobs(_spec(min_lines=30).task)
+    knobs = task_knobs(_spec(min_lines=30).task)
     rng = np.random.default_rng(0)
     for ex in R.generate(knobs, 6, seed=4):
         pruned = R.prune_table(ex, table, rng)
@@ -63,12 +68,12 @@ def test_reference_token_bound_by_hand():
 def test_curriculum_and_final_rows_fit_their_lengths():
     spec = _spec(min_lines=40, steps=4, batch_size=6, min_context=8, max_train_context=64, queries_per_example=1,
                  final_frac=0.25, final_batch_size=2, curriculum=((2, 32, 12, 6), (1, 64, 24, 4)))
-    knobs, settings, tok = W.task_knobs(spec.task), W.warmup_settings(spec.model), BuiltinTokenizer()
+    knobs, settings, tok = task_knobs(spec.task), warmup_settings(spec.model), BuiltinTokenizer()
     for step in range(3):
-        stage = W.stage_settings(settings, step)
-        length = W.training_length(knobs, stage)
-        tokens, ref_mask, _ = W.training_batch(knobs, stage, step, tok, length)
-        again = W.training_batch(knobs, stage, step, tok, length)[0]
+        stage = stage_settings(settings, step)
+        length = training_length(knobs, stage)
+        tokens, ref_mask, _ = training_batch(knobs, stage, step, tok, length)
+        again = training_batch(knobs, stage, step, tok, length)[0]
         assert tokens.shape == (stage.batch_size, length) and np.array_equal(tokens, again)  # deterministic
         for b in range(tokens.shape[0]):
             first = int(np.argmax(ref_mask[b]))
@@ -78,7 +83,7 @@ def test_curriculum_and_final_rows_fit_their_lengths():
             n_read = len({line[3:5] for line in lines if "=" in line})
             assert prompt.split("\n", 1)[0].count(";") <= max(n_read, stage.max_train_context // 5)
             assert stage.max_train_hops // 2 <= len(lines) <= R.max_lines(knobs, stage.max_train_hops)
-    tokens, ref_mask, _ = W.final_batch(knobs, settings, 3, tok, W.sequence_length(knobs))
+    tokens, ref_mask, _ = final_batch(knobs, settings, 3, tok, sequence_length(knobs))
     for b in range(2):
         text = tok.decode(tokens[b][ref_mask[b]])
         assert text.count("\n") + 1 >= 40 and "=#" in text  # the task's own traces
@@ -88,8 +93,8 @@ def test_curriculum_and_final_rows_fit_their_lengths():
 def test_a_tiny_recurrence_warmup_trains_and_reports_by_trace_length(tmp_path):
     spec = _spec(min_lines=12, steps=3, batch_size=2, min_context=16, max_train_context=32, queries_per_example=1,
                  curriculum=((3, 32, 12, 2),), eval_lengths=(512,), eval_hops=(12,), eval_prompts=2)
-    path = W.warmup_model(spec.model, spec.task, cache_dir=str(tmp_path), progress=False)
-    meta = W.read_warmup_meta(path)
+    path = warmup_model(spec.model, spec.task, cache_dir=str(tmp_path), progress=False)
+    meta = read_warmup_meta(path)
     assert meta["task"] == dict(name="recurrence_trace", context_tokens=512, min_lines=12, far_every=10,
                                 gap_tokens=0)
     assert set(meta["accuracy_by_hops"]) == {"12"} and set(meta["accuracy_by_length"]) == {"512"}

@@ -12,7 +12,13 @@ from ml_collections import ConfigDict
 
 from configs.common import base_config
 from sparrow_jax.run.specs import parse_spec
-from sparrow_jax.sft import warmup as W
+from sparrow_jax.sft.batches import make_batch, training_batch, training_length
+from sparrow_jax.sft.cache import META_FILE, is_complete, read_warmup_meta, warmup_key
+from sparrow_jax.sft.examples import extra_queries, task_knobs
+from sparrow_jax.sft.settings import WarmupSettings, warmup_architecture, warmup_settings
+from sparrow_jax.sft.train_loop import sft_loss
+from sparrow_jax.sft.warmup import warmup_model
+from sparrow_jax.sft import train_loop as sft_train_loop
 from sparrow_jax.mismatch import calibrate as C
 from sparrow_jax.models import dense_logits, init_params, load_hf, tiny_config
 from sparrow_jax.models.tokenizer import BuiltinTokenizer
@@ -43,7 +49,7 @@ def _task_cfg(context_tokens=64, hops=1, name="pointer_chase"):
 def test_make_batch_layout_by_hand():
     tok = BuiltinTokenizer()
     ex = dict(prompt="ab=cd;cd=ab;\nstart ab hops 1\n", reference="1:ab=cd\nanswer: cd")
-    tokens, ref_mask, prompt_mask = W.make_batch([ex], "pointer_chase", tok, seq_len=64)
+    tokens, ref_mask, prompt_mask = make_batch([ex], "pointer_chase", tok, seq_len=64)
     p, r = tok.encode(ex["prompt"]), tok.encode(ex["reference"]) + [tok.eos_id]
     assert tokens.shape == (1, 64) and tokens.dtype == np.int32
     np.testing.assert_array_equal(tokens[0, :len(p) + len(r)], p + r)
@@ -52,14 +58,14 @@ def test_make_batch_layout_by_hand():
     assert np.flatnonzero(prompt_mask[0]).tolist() == list(range(1, len(p)))
     assert tok.decode(tokens[0][ref_mask[0]]) == ex["reference"] + "<eos>"
     with pytest.raises(ValueError, match="exceed seq_len 20"):
-        W.make_batch([ex], "pointer_chase", tok, seq_len=20)
+        make_batch([ex], "pointer_chase", tok, seq_len=20)
     with pytest.raises(KeyError, match="reference"):
-        W.make_batch([dict(prompt="x")], "pointer_chase", tok, seq_len=64)
+        make_batch([dict(prompt="x")], "pointer_chase", tok, seq_len=64)
 
 
 def test_extra_queries_follow_the_records():
     ex = dict(prompt="ab1=cd2;cd2=ab1;ef3=ef3;\nstart ab1 hops 1\n", reference="1:ab1=cd2\nanswer: cd2")
-    qs = W.extra_queries(ex, 20, 3, np.random.default_rng(0))
+    qs = extra_queries(ex, 20, 3, np.random.default_rng(0))
     table = {"ab1": "cd2", "cd2": "ab1", "ef3": "ef3"}
     for query, ref in qs:
         start, hops = query.split()[1], int(query.split()[3])
@@ -70,16 +76,16 @@ def test_extra_queries_follow_the_records():
         assert query == f"start {start} hops {hops}\n" and ref == want
     assert {int(q.split()[3]) for q, _ in qs} == {1, 2, 3}
     with pytest.raises(ValueError, match="not pointer-chase records"):
-        W.extra_queries(dict(prompt="no records here\n"), 1, 1, np.random.default_rng(0))
+        extra_queries(dict(prompt="no records here\n"), 1, 1, np.random.default_rng(0))
 
 
 def test_training_batch_rows():
     knobs = dict(name="pointer_chase", context_tokens=256, hops=1, distractor_frac=0.5, key_len=3)
-    settings = W.WarmupSettings(batch_size=8, min_context=32, max_train_context=96, train_hops=3,
-                                queries_per_example=3)
+    settings = WarmupSettings(batch_size=8, min_context=32, max_train_context=96, train_hops=3,
+                              queries_per_example=3)
     tok = BuiltinTokenizer()
-    seq_len = W.training_length(knobs, settings)
-    tokens, ref_mask, prompt_mask = W.training_batch(knobs, settings, 3, tok, seq_len)
+    seq_len = training_length(knobs, settings)
+    tokens, ref_mask, prompt_mask = training_batch(knobs, settings, 3, tok, seq_len)
     assert tokens.shape == (8, seq_len) and not (ref_mask & prompt_mask).any()
     hops = set()
     for b in range(8):
@@ -99,8 +105,8 @@ def test_training_batch_rows():
         assert tok.decode(tokens[b][ref_mask[b]]).count("<eos>") == 3
     assert hops == {1, 2, 3}  # train_hops above the task's 1
     # deterministic in (seed, step); another step differs
-    np.testing.assert_array_equal(tokens, W.training_batch(knobs, settings, 3, tok, seq_len)[0])
-    assert not np.array_equal(tokens, W.training_batch(knobs, settings, 4, tok, seq_len)[0])
+    np.testing.assert_array_equal(tokens, training_batch(knobs, settings, 3, tok, seq_len)[0])
+    assert not np.array_equal(tokens, training_batch(knobs, settings, 4, tok, seq_len)[0])
 
 
 def test_sft_loss_matches_numpy_log_softmax():
@@ -118,18 +124,18 @@ def test_sft_loss_matches_numpy_log_softmax():
     nll = -logp[:, :-1][np.arange(2)[:, None], np.arange(11)[None], tokens[:, 1:]]  # predicts token t+1
     want_ref = nll[mask[:, 1:]].mean()
     want = want_ref + 0.5 * nll[prompt_mask[:, 1:]].mean()
-    loss, ref = W.sft_loss(config, params, jnp.asarray(tokens), jnp.asarray(mask), jnp.asarray(prompt_mask), 0.5)
+    loss, ref = sft_loss(config, params, jnp.asarray(tokens), jnp.asarray(mask), jnp.asarray(prompt_mask), 0.5)
     np.testing.assert_allclose(float(ref), want_ref, rtol=1e-5)
     np.testing.assert_allclose(float(loss), want, rtol=1e-5)
 
 
 def test_warmup_settings_from_config_block_and_errors():
-    s = W.warmup_settings(_model_cfg(steps=7, lr=1e-3, cache_dir="x"), batch_size=5)
+    s = warmup_settings(_model_cfg(steps=7, lr=1e-3, cache_dir="x"), batch_size=5)
     assert (s.steps, s.lr, s.batch_size) == (7, 1e-3, 5)
     with pytest.raises(ValueError, match="unknown field"):
-        W.warmup_settings(_model_cfg(stepz=3))
+        warmup_settings(_model_cfg(stepz=3))
     with pytest.raises(ValueError, match="steps must be positive"):
-        W.WarmupSettings(steps=0)
+        WarmupSettings(steps=0)
 
 
 # ---------------------------------------------------------------- warm-up: training and cache
@@ -138,36 +144,36 @@ def test_warmup_trains_saves_and_caches(tmp_path, monkeypatch):
     m, t = _model_cfg(), _task_cfg(context_tokens=64)
     kw = dict(cache_dir=str(tmp_path), steps=3, batch_size=4, lr=1e-3, progress=False, eval_lengths=[48],
               eval_prompts=2)
-    path = W.warmup_model(m, t, **kw)
-    assert os.path.basename(path).startswith("warmup-") and W.is_complete(path)
-    meta = W.read_warmup_meta(path)
+    path = warmup_model(m, t, **kw)
+    assert os.path.basename(path).startswith("warmup-") and is_complete(path)
+    meta = read_warmup_meta(path)
     assert meta["tokenizer"] == "builtin" and meta["task"]["context_tokens"] == 64 and meta["train"]["steps"] == 3
     assert set(meta["accuracy_by_length"]) == {"48"} and 0.0 <= meta["accuracy"] <= 1.0
     config, params = load_hf(path)
     assert config.vocab_size == BuiltinTokenizer().vocab_size and config.hidden_size == TINY_ARCH["hidden_size"]
-    assert config == W.warmup_architecture(m).replace(param_dtype=config.param_dtype)
+    assert config == warmup_architecture(m).replace(param_dtype=config.param_dtype)
     assert not np.allclose(np.asarray(params["embed_tokens"]),
                            np.asarray(init_params(config, seed=0)["embed_tokens"]))  # it trained
 
     def boom(*a, **k):
         raise AssertionError("a cached warm-up must not train again")
-    monkeypatch.setattr(W, "make_train_step", boom)
-    assert W.warmup_model(m, t, **kw) == path  # cache hit: no training
+    monkeypatch.setattr(sft_train_loop, "make_train_step", boom)
+    assert warmup_model(m, t, **kw) == path  # cache hit: no training
     assert not [p for p in os.listdir(tmp_path) if ".tmp" in p]
     # any training setting or task knob changes the cache key
-    assert W.warmup_key(W.warmup_architecture(m), W.task_knobs(t), W.WarmupSettings(steps=3, batch_size=4, lr=2e-3)) \
+    assert warmup_key(warmup_architecture(m), task_knobs(t), WarmupSettings(steps=3, batch_size=4, lr=2e-3)) \
         != os.path.basename(path)[len("warmup-"):]
     # an incomplete directory under the final name is not a cache hit
-    os.remove(os.path.join(path, W.META_FILE))
-    assert not W.is_complete(path)
+    os.remove(os.path.join(path, META_FILE))
+    assert not is_complete(path)
     with pytest.raises(AssertionError, match="must not train again"):
-        W.warmup_model(m, t, **kw)
+        warmup_model(m, t, **kw)
 
 
 def test_task_knobs_reject_a_task_without_generator():
     t = _task_cfg(name="math")
     with pytest.raises(ValueError, match="has no generator"):
-        W.task_knobs(t)
+        task_knobs(t)
 
 
 # ---------------------------------------------------------------- calibration: derived schedule rule

@@ -33,6 +33,7 @@ from sparrow_jax.models.config import Qwen3Config
 from sparrow_jax.models.lora import LoraConfig, with_lora
 from sparrow_jax.models.forward import dense_hidden, sparse_hidden, unembedding
 from sparrow_jax.models.scoring import token_logprobs
+from sparrow_jax.optim import clipped_adam
 from sparrow_jax.rl.losses import agg_loss, grpo_loss, kl_penalty, tis_weights, tis_weights_and_keep
 
 
@@ -102,8 +103,8 @@ class Batch(NamedTuple):
 
 
 def make_optimizer(learning_rate: float, max_grad_norm: float = 1.0) -> optax.GradientTransformation:
-    parts = [optax.clip_by_global_norm(max_grad_norm)] if max_grad_norm > 0 else []
-    return optax.chain(*parts, optax.adam(learning_rate))
+    """The RL optimiser: global-norm clipping (off at ``max_grad_norm`` <= 0), then Adam at a constant rate."""
+    return clipped_adam(learning_rate, max_grad_norm)
 
 
 def init_train_state(params, optimizer: optax.GradientTransformation) -> TrainState:

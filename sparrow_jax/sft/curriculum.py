@@ -1,0 +1,63 @@
+"""The warm-up's schedule: which rows each step trains on (curriculum stage or final phase),
+the phases that continue another warm-up, and each phase's learning-rate schedule.
+
+Imports :mod:`settings` and the shared optimiser chain (:mod:`sparrow_jax.optim`).
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import optax
+
+from sparrow_jax.optim import clipped_adam
+from sparrow_jax.sft.settings import WarmupSettings
+
+
+def stage_settings(settings: WarmupSettings, step: int) -> WarmupSettings:
+    """The settings a pre-final ``step`` trains with: its curriculum stage's context, hops and
+    rows (the settings themselves without a curriculum)."""
+    start = 0
+    for steps, context, hops, rows in settings.curriculum:
+        if step < start + steps:
+            return dataclasses.replace(settings, max_train_context=context, max_train_hops=hops, batch_size=rows,
+                                       curriculum=())
+        start += steps
+    return dataclasses.replace(settings, curriculum=())
+
+
+def final_phase_start(settings: WarmupSettings) -> int:
+    """First step of the final phase (rows at the task's own context and hops)."""
+    return settings.steps - int(round(settings.final_frac * settings.steps))
+
+
+def continued_warmup(knobs: dict[str, Any], settings: WarmupSettings
+                     ) -> tuple[str, dict[str, Any], WarmupSettings] | None:
+    """(phase, task knobs, settings) of the warm-up the last phase continues, None from scratch:
+    ``preamble`` continues the same task without its preamble, ``refine`` the main phase."""
+    if knobs.get("preamble_tokens"):
+        if not settings.preamble_steps:
+            raise ValueError(f"task.preamble_tokens={knobs['preamble_tokens']} needs model.warmup.preamble_steps > 0: "
+                             f"the preamble is learned in a phase of its own, on top of the warm-up without it")
+        return "preamble", {k: v for k, v in knobs.items() if k != "preamble_tokens"}, \
+            dataclasses.replace(settings, preamble_steps=0)
+    if settings.preamble_steps:
+        raise ValueError(f"model.warmup.preamble_steps={settings.preamble_steps} needs task.preamble_tokens > 0")
+    if settings.refine_steps:
+        return "refine", knobs, dataclasses.replace(settings, refine_steps=0)
+    return None
+
+
+def phase_steps_lr(settings: WarmupSettings, phase: str) -> tuple[int, float]:
+    """(steps, peak learning rate) of the ``main``, ``refine`` or ``preamble`` phase."""
+    return {"main": (settings.steps, settings.lr), "refine": (settings.refine_steps, settings.refine_lr),
+            "preamble": (settings.preamble_steps, settings.preamble_lr)}[phase]
+
+
+def make_optimizer(settings: WarmupSettings, phase: str = "main") -> optax.GradientTransformation:
+    """AdamW with linear warm-up then cosine decay to 10% of the peak; global-norm clipping.
+    ``phase``: ``main``, or the ``refine`` / ``preamble`` phase's own run (its steps and peak)."""
+    steps, lr = phase_steps_lr(settings, phase)
+    warm = max(1, int(settings.warmup_frac * steps))
+    sched = optax.warmup_cosine_decay_schedule(0.0, lr, warm, max(steps, warm + 1), end_value=0.1 * lr)
+    return clipped_adam(sched, settings.max_grad_norm, weight_decay=settings.weight_decay, b2=0.98)

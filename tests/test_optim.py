@@ -1,0 +1,42 @@
+"""The one optimiser chain: the RL step's and the warm-up's optimisers are the chains they
+always were (same updates bit for bit, same state layout, so old checkpoints still load)."""
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from sparrow_jax.rl.train_step import make_optimizer as rl_optimizer
+from sparrow_jax.sft.curriculum import make_optimizer as sft_optimizer
+from sparrow_jax.sft.settings import WarmupSettings
+
+
+def _updates(opt, steps=3):
+    params = {"w": jnp.linspace(-1.0, 1.0, 6).reshape(2, 3)}
+    state, out = opt.init(params), []
+    for i in range(steps):
+        grads = {"w": jnp.full((2, 3), 0.5 * (i + 1)) * params["w"] + 3.0}  # norm > 1: clipping acts
+        updates, state = opt.update(grads, state, params)
+        params = optax.apply_updates(params, updates)
+        out.append(np.asarray(params["w"]))
+    return out, jax.tree_util.tree_structure(state)
+
+
+def _same(a, b):
+    (pa, sa), (pb, sb) = _updates(a), _updates(b)
+    assert sa == sb and all(np.array_equal(x, y) for x, y in zip(pa, pb))
+
+
+def test_rl_optimizer_is_clipped_adam():
+    _same(rl_optimizer(1e-2, 1.0), optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-2)))
+    _same(rl_optimizer(1e-2, max_grad_norm=0.0), optax.chain(optax.adam(1e-2)))
+
+
+def test_warmup_optimizer_is_clipped_adamw_on_its_schedule():
+    settings = WarmupSettings(steps=10, lr=3e-3, warmup_frac=0.2, weight_decay=0.01)
+    sched = optax.warmup_cosine_decay_schedule(0.0, 3e-3, 2, 10, end_value=3e-4)
+    _same(sft_optimizer(settings), optax.chain(optax.clip_by_global_norm(1.0),
+                                               optax.adamw(sched, b1=0.9, b2=0.98, weight_decay=0.01)))
+    _same(sft_optimizer(dataclasses.replace(settings, max_grad_norm=0.0)),
+          optax.chain(optax.adamw(sched, b1=0.9, b2=0.98, weight_decay=0.01)))
