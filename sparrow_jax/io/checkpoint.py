@@ -42,6 +42,7 @@ from etils import epath
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from sparrow_jax.io import atomic_write_json, to_jsonable
+from sparrow_jax.io.closing import Closing
 
 PYTREE_KEYS = ("params", "opt_state", "lora", "lora_opt_state", "loop")
 META_KEY = "meta"
@@ -117,7 +118,7 @@ def _is_array_metadata(x: Any) -> bool:
     return hasattr(x, "shape") and hasattr(x, "dtype")
 
 
-class CheckpointManager:
+class CheckpointManager(Closing):
     """Keeps the last `max_to_keep` committed checkpoints of a training run in `directory`.
 
     Args:
@@ -372,9 +373,3 @@ class CheckpointManager:
     # ------------------------------------------------------------------ lifecycle
     def close(self) -> None:
         self._mngr.close()
-
-    def __enter__(self) -> "CheckpointManager":
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()

@@ -31,6 +31,7 @@ from typing import Any, TextIO
 import numpy as np
 
 from sparrow_jax.io import NONFINITE_STRINGS, atomic_write_bytes, to_jsonable
+from sparrow_jax.io.closing import Closing
 
 METRICS_FILE = "metrics.jsonl"
 HISTOGRAM_FILE = "alpha_hist.jsonl"
@@ -287,7 +288,7 @@ def _format_postfix(value: Any) -> str:
     return str(number)
 
 
-class ProgressBar:
+class ProgressBar(Closing):
     """Thin tqdm wrapper driven by absolute step numbers.
 
     `update(step, loss=..., p5=...)` moves the bar to `step` and shows the values (4 significant
@@ -319,9 +320,3 @@ class ProgressBar:
 
     def close(self) -> None:
         self._bar.close()
-
-    def __enter__(self) -> "ProgressBar":
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()

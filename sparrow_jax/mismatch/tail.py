@@ -54,17 +54,22 @@ def _check_q(q: Any) -> tuple[tuple[float, ...], bool]:
     return qs, scalar
 
 
+def _check_shapes_and_dtypes(values, positions, mask) -> None:
+    """positions and mask shaped like values; float values, integer positions (numpy or jax arrays)."""
+    for name, x in (("positions", positions), ("mask", mask)):
+        if x.shape != values.shape:
+            raise ValueError(f"{name}: expected the shape of values {tuple(values.shape)}, got {tuple(x.shape)}")
+    if not jnp.issubdtype(values.dtype, jnp.floating):  # jnp's test: bfloat16 counts as floating
+        raise TypeError(f"values: expected a floating dtype, got {values.dtype}")
+    if not jnp.issubdtype(positions.dtype, jnp.integer):
+        raise TypeError(f"positions: expected an integer dtype, got {positions.dtype}")
+
+
 def _check_inputs(values: Array, positions: Array, mask: Array):
     """Validate [B, T] (any equal shape) inputs; return the masked-in flat float64 values
     and int64 positions, on the host."""
     values, positions, mask = np.asarray(values), np.asarray(positions), np.asarray(mask)
-    for name, x in (("positions", positions), ("mask", mask)):
-        if x.shape != values.shape:
-            raise ValueError(f"{name}: expected the shape of values {values.shape}, got {x.shape}")
-    if not np.issubdtype(values.dtype, np.floating):
-        raise TypeError(f"values: expected a floating dtype, got {values.dtype}")
-    if not np.issubdtype(positions.dtype, np.integer):
-        raise TypeError(f"positions: expected an integer dtype, got {positions.dtype}")
+    _check_shapes_and_dtypes(values, positions, mask)
     if not (mask.dtype == np.bool_ or np.issubdtype(mask.dtype, np.integer)):
         raise TypeError(f"mask: expected a bool or integer dtype, got {mask.dtype}")
     keep = mask.reshape(-1) != 0
@@ -155,13 +160,7 @@ def binned_percentile_jax(values: Array, positions: Array, mask: Array, num_bins
         raise ValueError(f"num_bins: expected an int >= 1, got {num_bins!r}")
     qs, scalar = _check_q(q)
     values, positions, mask = jnp.asarray(values), jnp.asarray(positions), jnp.asarray(mask)
-    for name, x in (("positions", positions), ("mask", mask)):
-        if x.shape != values.shape:
-            raise ValueError(f"{name}: expected the shape of values {tuple(values.shape)}, got {tuple(x.shape)}")
-    if not jnp.issubdtype(values.dtype, jnp.floating):
-        raise TypeError(f"values: expected a floating dtype, got {values.dtype}")
-    if not jnp.issubdtype(positions.dtype, jnp.integer):
-        raise TypeError(f"positions: expected an integer dtype, got {positions.dtype}")
+    _check_shapes_and_dtypes(values, positions, mask)
     if values.size == 0:
         shape = (num_bins,) if scalar else (num_bins, len(qs))
         return jnp.full(shape, jnp.nan, jnp.float32), jnp.zeros((num_bins,), jnp.int32)

@@ -69,6 +69,19 @@ inline float ToFloat(uint16_t bf16) {
   return out;
 }
 
+// One K or V row of ``d`` elements as float: read in place when it is float (no copy), converted
+// into ``buf`` when it is bf16.
+template <typename KV>
+inline const float* RowAsFloat(const KV* row, int64_t d, float* buf) {
+  if constexpr (std::is_same<KV, float>::value) {
+    return row;
+  } else {
+#pragma omp simd
+    for (int64_t j = 0; j < d; ++j) buf[j] = ToFloat(row[j]);
+    return buf;
+  }
+}
+
 struct Shape {
   int64_t batch, heads, kv_heads, pages, page_size, dim, slots;  // pages: logical pages per row
 };
@@ -109,18 +122,10 @@ inline void AttendPage(const KV* kp, const KV* vp, const KV* k_ahead, const KV* 
     big.resize(d);
     buf = big.data();
   }
-  constexpr bool in_place = std::is_same<KV, float>::value;  // float rows need no conversion
   const int64_t row_bytes = d * static_cast<int64_t>(sizeof(KV));
   for (int64_t t = 0; t < visible; ++t) {  // score[g][t] = q_g . k_t
-    const KV* kt = kp + t * d;
     if (k_ahead != nullptr) Prefetch(k_ahead + t * d, row_bytes);
-    const float* kf = buf;
-    if constexpr (in_place) {
-      kf = kt;
-    } else {
-#pragma omp simd
-      for (int64_t j = 0; j < d; ++j) buf[j] = ToFloat(kt[j]);
-    }
+    const float* kf = RowAsFloat(kp + t * d, d, buf);
     for (int64_t g = 0; g < groups; ++g) {
       const float* qg = qs + g * d;
       float dot = 0.0f;
@@ -148,15 +153,8 @@ inline void AttendPage(const KV* kp, const KV* vp, const KV* k_ahead, const KV* 
     for (int64_t j = 0; j < d; ++j) ag[j] *= rescale;
   }
   for (int64_t t = 0; t < visible; ++t) {  // acc_g += w[g][t] * v_t
-    const KV* vt = vp + t * d;
     if (v_ahead != nullptr) Prefetch(v_ahead + t * d, row_bytes);
-    const float* vf = buf;
-    if constexpr (in_place) {
-      vf = vt;
-    } else {
-#pragma omp simd
-      for (int64_t j = 0; j < d; ++j) buf[j] = ToFloat(vt[j]);
-    }
+    const float* vf = RowAsFloat(vp + t * d, d, buf);
     for (int64_t g = 0; g < groups; ++g) {
       const float w = score[g * page_size + t];
       float* ag = acc + g * d;
@@ -815,12 +813,18 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(SparrowPagedSparseStepCpu, PagedSparseStepImpl,
                                   .Ret<ffi::Buffer<ffi::F32>>()    // meta_a (aliased)
                                   .Ret<ffi::Buffer<ffi::F32>>());  // meta_b (aliased)
 
+// The binding every attention handler below starts with: the thread pool, then q [.., D] f32 and
+// the k and v pages (f32 or bf16).
+static auto BindQKV() {
+  return ffi::Ffi::Bind()
+      .Ctx<ffi::ThreadPool>()
+      .Arg<ffi::Buffer<ffi::F32>>()
+      .Arg<ffi::AnyBuffer>()
+      .Arg<ffi::AnyBuffer>();
+}
+
 XLA_FFI_DEFINE_HANDLER_SYMBOL(SparrowSparseDecodeCpu, SparseDecodeImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()    // q
-                                  .Arg<ffi::AnyBuffer>()           // k_pages
-                                  .Arg<ffi::AnyBuffer>()           // v_pages
+                              BindQKV()  // q, k_pages, v_pages
                                   .Arg<ffi::Buffer<ffi::S32>>()    // page_idx
                                   .Arg<ffi::Buffer<ffi::PRED>>()   // page_valid
                                   .Arg<ffi::Buffer<ffi::S32>>()    // positions
@@ -828,21 +832,13 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(SparrowSparseDecodeCpu, SparseDecodeImpl,
                                   .Ret<ffi::Buffer<ffi::F32>>());  // out
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(SparrowDenseDecodeCpu, DenseDecodeImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()    // q
-                                  .Arg<ffi::AnyBuffer>()           // k_pages
-                                  .Arg<ffi::AnyBuffer>()           // v_pages
+                              BindQKV()  // q, k_pages, v_pages
                                   .Arg<ffi::Buffer<ffi::S32>>()    // positions
                                   .Attr<float>("scale")
                                   .Ret<ffi::Buffer<ffi::F32>>());  // out
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(SparrowPagedDecodeCpu, PagedDecodeImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()    // q
-                                  .Arg<ffi::AnyBuffer>()           // k_pool
-                                  .Arg<ffi::AnyBuffer>()           // v_pool
+                              BindQKV()  // q, k_pool, v_pool
                                   .Arg<ffi::Buffer<ffi::S32>>()    // page_table
                                   .Arg<ffi::Buffer<ffi::S32>>()    // page_idx
                                   .Arg<ffi::Buffer<ffi::PRED>>()   // page_valid
