@@ -101,7 +101,6 @@ def test_a_tiny_recurrence_warmup_trains_and_reports_by_trace_length(tmp_path):
     assert 0.0 <= meta["accuracy_by_hops"]["12"]["reward"] <= 1.0 and os.path.isfile(os.path.join(path, "config.json"))
 
 
-
 def test_the_configs_curriculum_rows_do_not_depend_on_the_rl_length():
     """configs/recurrence_trace.py trains only on curriculum rows (no phase on the task's own rows),
     and those do not depend on ``task.min_lines``: the RL trace length enters only the cache key and
@@ -109,14 +108,14 @@ def test_the_configs_curriculum_rows_do_not_depend_on_the_rl_length():
     from configs.recurrence_trace import get_config
 
     spec = parse_spec(get_config())
-    settings, tok = W.warmup_settings(spec.model), BuiltinTokenizer()
-    knobs = W.task_knobs(spec.task)
+    settings, tok = warmup_settings(spec.model), BuiltinTokenizer()
+    knobs = task_knobs(spec.task)
     other = dict(knobs, min_lines=knobs["min_lines"] // 2)
     assert settings.final_frac == 0 and settings.refine_steps == 0 and settings.preamble_steps == 0
     start = 0
     for steps, _, _, rows in settings.curriculum:
-        stage = W.stage_settings(settings, start)
-        tokens = W.training_batch(knobs, stage, start, tok, W.training_length(knobs, stage))[0]
+        stage = stage_settings(settings, start)
+        tokens = training_batch(knobs, stage, start, tok, training_length(knobs, stage))[0]
         assert tokens.shape[0] == rows
-        assert np.array_equal(tokens, W.training_batch(other, stage, start, tok, W.training_length(other, stage))[0])
+        assert np.array_equal(tokens, training_batch(other, stage, start, tok, training_length(other, stage))[0])
         start += steps
