@@ -39,6 +39,7 @@
 #include <functional>
 #include <memory>
 #include <mutex>
+#include <utility>
 #include <type_traits>
 #include <vector>
 
@@ -774,19 +775,26 @@ ffi::Error PagedSparseStepImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q_att
 
 }  // namespace
 
+// The page selection's part of a binding, after its inputs: positions and budget, the selection's
+// attributes, and (after any further attributes, ``Ret``) its outputs page_idx and page_valid.
+template <typename Binding>
+static auto WithSelectionInputs(Binding binding) {
+  return std::move(binding)
+      .template Arg<ffi::Buffer<ffi::S32>>()            // positions
+      .template Arg<ffi::Buffer<ffi::S32>>()            // budget
+      .template Attr<int64_t>("k_max")
+      .template Attr<int64_t>("page_size")
+      .template Attr<int64_t>("reserved_first")
+      .template Attr<int64_t>("reserved_last");
+}
+
 XLA_FFI_DEFINE_HANDLER_SYMBOL(SparrowScoreSelectCpu, ScoreSelectImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()    // qg
-                                  .Arg<ffi::Buffer<ffi::F32>>()    // meta_a: centroid or kmin
-                                  .Arg<ffi::Buffer<ffi::F32>>()    // meta_b: kmax (quest)
-                                  .Arg<ffi::Buffer<ffi::S32>>()    // page_table ([B, 0]: per-row metadata)
-                                  .Arg<ffi::Buffer<ffi::S32>>()    // positions
-                                  .Arg<ffi::Buffer<ffi::S32>>()    // budget
-                                  .Attr<int64_t>("k_max")
-                                  .Attr<int64_t>("page_size")
-                                  .Attr<int64_t>("reserved_first")
-                                  .Attr<int64_t>("reserved_last")
+                              WithSelectionInputs(ffi::Ffi::Bind()
+                                                      .Ctx<ffi::ThreadPool>()
+                                                      .Arg<ffi::Buffer<ffi::F32>>()   // qg
+                                                      .Arg<ffi::Buffer<ffi::F32>>()   // meta_a: centroid or kmin
+                                                      .Arg<ffi::Buffer<ffi::F32>>()   // meta_b: kmax (quest)
+                                                      .Arg<ffi::Buffer<ffi::S32>>())  // page_table ([B, 0]: per-row)
                                   .Attr<int64_t>("quest")
                                   .Ret<ffi::Buffer<ffi::S32>>()    // page_idx
                                   .Ret<ffi::Buffer<ffi::PRED>>()); // page_valid
@@ -848,14 +856,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(SparrowPagedDecodeCpu, PagedDecodeImpl,
                                   .Ret<ffi::Buffer<ffi::F32>>());  // out
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(SparrowSelectPagesCpu, SelectPagesImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()    // scores
-                                  .Arg<ffi::Buffer<ffi::S32>>()    // positions
-                                  .Arg<ffi::Buffer<ffi::S32>>()    // budget
-                                  .Attr<int64_t>("k_max")
-                                  .Attr<int64_t>("page_size")
-                                  .Attr<int64_t>("reserved_first")
-                                  .Attr<int64_t>("reserved_last")
+                              WithSelectionInputs(ffi::Ffi::Bind()
+                                                      .Ctx<ffi::ThreadPool>()
+                                                      .Arg<ffi::Buffer<ffi::F32>>())  // scores
                                   .Ret<ffi::Buffer<ffi::S32>>()    // page_idx
                                   .Ret<ffi::Buffer<ffi::PRED>>()); // page_valid
