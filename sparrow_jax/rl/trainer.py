@@ -49,6 +49,7 @@ from sparrow_jax.rollout import SparsitySchedule, generate, generate_continuous
 from sparrow_jax.rollout.schedule_control import (ControllerSettings, ControllerState, controller_step_jit,
                                                   controller_topk, dense_topk_by_bin, failed_topk_from_table,
                                                   init_controller, probe_rejections, probed_bins, topk_grid)
+from sparrow_jax.stats import mean_and_se
 
 if TYPE_CHECKING:
     from sparrow_jax.run.specs import DistillSpec, RunSpec, ScheduleSpec, TrainSpec
@@ -145,8 +146,8 @@ def sample(ctx: RunContext, params, examples: list[dict], key, repeats: int, sch
 
 def _mean_se(per_prompt: np.ndarray) -> tuple[float, float]:
     """Mean over prompts and its standard error (NaN under two prompts)."""
-    x = np.asarray(per_prompt, np.float64)
-    return float(x.mean()), float(x.std(ddof=1) / np.sqrt(x.size)) if x.size > 1 else float("nan")
+    mean, se = mean_and_se(per_prompt)
+    return mean, float("nan") if se is None else se
 
 
 def evaluate(ctx: RunContext, params, schedule, examples: list[dict], k: int, key,

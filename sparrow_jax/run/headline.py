@@ -19,6 +19,7 @@ import numpy as np
 from sparrow_jax.run.report import (p5_hold_fraction, p5_min_step_by_bin, pooled_p5_by_bin, token_weighted_mean,
                                     training_rows)
 from sparrow_jax.run.specs import RunSpec
+from sparrow_jax.stats import standard_error
 
 # the phases of one RL step (rollouts; scoring and update; the online controller's probe): not validation
 STEP_PARTS = ("timing_s/gen", "timing_s/update_actor", "timing_s/probe")
@@ -51,7 +52,7 @@ def combine_seeds(values: list, ses: list) -> tuple[Optional[float], Optional[fl
     known = [s for _, s in pairs if s is not None]
     parts = [float(np.mean(np.square(known)))] if known else []
     if x.size >= 2:
-        parts.append(float(x.var(ddof=1) / x.size))
+        parts.append(standard_error(x) ** 2)
     return float(x.mean()), (float(np.sqrt(sum(parts))) if parts else None)
 
 
@@ -88,7 +89,7 @@ def held_out(series: list[Optional[dict]], total_steps: int) -> Optional[dict]:
     areas = [a for a in (curve_area([p["step"] for p in s["steps"]], [p[name] for p in s["steps"]], total_steps)
                          for s in series) if a is not None]
     out["auc"] = float(np.mean(areas)) if areas else None
-    out["auc_se"] = float(np.std(areas, ddof=1) / np.sqrt(len(areas))) if len(areas) >= 2 else None
+    out["auc_se"] = standard_error(areas)
     by_step = [{p["step"]: p for p in s["steps"]} for s in series]
     common = [step for step in by_step[0] if all(step in b for b in by_step)]
     out["curve"] = []

@@ -12,6 +12,7 @@ import numpy as np
 
 from sparrow_jax.io.metrics import logged_bins
 from sparrow_jax.mismatch.tail import histogram_percentile
+from sparrow_jax.stats import difference_se, mean_and_se
 
 
 def training_rows(records: list[dict]) -> list[dict]:
@@ -34,12 +35,8 @@ def reward_start_end(rewards: list, window: int) -> dict:
     under two steps per window)."""
     first, last = (np.asarray([r for r in part if r is not None][:window], np.float64)
                    for part in (rewards, rewards[::-1]))
-    se = None
-    if min(first.size, last.size) >= 2:
-        se = float(np.sqrt(first.var(ddof=1) / first.size + last.var(ddof=1) / last.size))
-    mean = lambda x: float(x.mean()) if x.size else None  # noqa: E731
-    return {"reward_start": mean(first), "reward_end": mean(last), "reward_window_steps": window,
-            "reward_change_se": se}
+    return {"reward_start": mean_and_se(first)[0], "reward_end": mean_and_se(last)[0], "reward_window_steps": window,
+            "reward_change_se": difference_se(first, last)}
 
 
 def _finite(x: float) -> Optional[float]:

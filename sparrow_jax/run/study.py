@@ -37,6 +37,7 @@ from sparrow_jax.run.report import (generated_tokens_per_s, reward_start_end, re
 from sparrow_jax.run.specs import RunSpec
 from sparrow_jax.run.speed import measure_rollout_speedup
 from sparrow_jax.run.workdir import REPORT_FILE, finished_report
+from sparrow_jax.stats import mean_and_se
 
 _ONLINE_START = {"online_dense": "dense", "online_aggressive": "fixed", "online_distill": "calibrated"}
 WITHOUT_LORA = "without_distill"  # the DistillSparse run's comparison arm
@@ -129,10 +130,8 @@ def paired_reward_diff(hist, ref_hist) -> dict:
     cancels. ``{"mean", "se", "steps"}`` (se: the standard error of the mean difference)."""
     ref = {h["step"]: h["reward_mean"] for h in ref_hist}
     diffs = np.asarray([h["reward_mean"] - ref[h["step"]] for h in hist if h["step"] in ref], np.float64)
-    if diffs.size < 2:
-        return {"mean": float(diffs.mean()) if diffs.size else None, "se": None, "steps": int(diffs.size)}
-    return {"mean": float(diffs.mean()), "se": float(diffs.std(ddof=1) / np.sqrt(diffs.size)),
-            "steps": int(diffs.size)}
+    mean, se = mean_and_se(diffs)
+    return {"mean": mean, "se": se, "steps": int(diffs.size)}
 
 
 def arm_row(spec: RunSpec, arm: str, records: list[dict], histograms: list, window: int) -> dict:
