@@ -114,7 +114,7 @@ def table(columns: dict[str, dict]) -> str:
 def redraw(workdir: str, columns: dict[str, dict], study: bool) -> str:
     """The reward curve (a run's ``reward.png``) or the study's ``study.png``, from the logs."""
     if study:
-        from sparrow_jax.run.study import plot_study
+        from sparrow_jax.run.study_plots import plot_study
 
         path = os.path.join(workdir, "study.png")
         plot_study({a: s["rows"] for a, s in columns.items() if s["rows"]}, path)

@@ -171,7 +171,7 @@ def test_kept_page_share_by_hand():
 def test_headline_plot_writes_a_small_png(tmp_path):
     from PIL import Image
 
-    from sparrow_jax.run.headline_plot import plot_headline
+    from sparrow_jax.run.study_plots import plot_headline
     from sparrow_jax.run.report import training_rows
 
     cfg = _config()

@@ -76,7 +76,7 @@ def test_p5_hold_finds_the_first_step_all_full_bins_pass_then_counts_cells():
 def test_study_plot_grids_panels_per_arm_over_bins_with_tokens(tmp_path):
     from PIL import Image
 
-    from sparrow_jax.run.study import plot_study
+    from sparrow_jax.run.study_plots import plot_study
 
     dense = [{"step": i, "reward_mean": 0.1 * i, "timing_s/gen": 1.0} for i in (1, 2, 3)]
     online = [dict(_step(i, {768: (0.9, 300), 896: (0.8, 0)}), reward_mean=0.1, **{

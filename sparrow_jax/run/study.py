@@ -25,13 +25,12 @@ import numpy as np
 
 from sparrow_jax.io import atomic_write_json
 from sparrow_jax.io.metrics import bin_series, read_histograms, read_metrics
-from sparrow_jax.io.plots import plot_panels
 from sparrow_jax.rl.context import RunContext
 from sparrow_jax.rl.trainer import TrainResult, train
 from sparrow_jax.run.calibration import calibrate_run
 from sparrow_jax.run.context import build_run_context, build_schedule
 from sparrow_jax.run.headline import SeedRun, arm_summary, relative_step_time
-from sparrow_jax.run.headline_plot import plot_headline
+from sparrow_jax.run.study_plots import plot_headline, plot_study
 from sparrow_jax.run.report import (generated_tokens_per_s, reward_start_end, reward_window, training_report,
                                     training_rows)
 from sparrow_jax.run.specs import RunSpec
@@ -157,32 +156,6 @@ def arm_row(spec: RunSpec, arm: str, records: list[dict], histograms: list, wind
         row["topk_end"] = {str(b): int(v[-1]) for b, v in bin_series(rows, "schedule/topk").items()}
         row["p5_hold"] = p5_hold(rows, spec.calibration.tau - 0.02, spec.schedule.online.min_tokens)
     return row
-
-
-def plot_study(arms: dict[str, list], path: str) -> None:
-    """study.png: reward, mean alpha and generated tokens per rollout second per step for every arm;
-    then per sparse arm its p5 per generated-position bin, and per online arm its top-k per bin
-    (bins that received tokens only)."""
-    steps = {a: [h["step"] for h in hist] for a, hist in arms.items()}
-    series = lambda key: {a: (steps[a], [h.get(key, np.nan) for h in hist]) for a, hist in arms.items()}
-    speed = {a: (steps[a], [h.get("rollout/generated_tokens", np.nan) / h.get("rollout/decode_s", np.nan)
-                            for h in hist]) for a, hist in arms.items()}
-    panels = [("reward", "reward_mean", series("reward_mean")),
-              ("mean alpha (sparse arms)", "alpha mean", {a: v for a, v in series("mismatch/alpha_mean").items()
-                                                          if a != "dense"}),
-              ("generated tokens per rollout second", "tok/s", speed)]
-    for a, hist in arms.items():
-        if a == "dense":
-            continue
-        counts = bin_series(hist, "mismatch/count")
-        used = [b for b, c in counts.items() if np.nansum(c) > 0]
-        p5 = bin_series(hist, "mismatch/alpha_p5")
-        panels.append((f"p5 per bin: {a}", "alpha p5", {f"bin {b}": (steps[a], p5[b]) for b in used if b in p5}))
-        if a in _ONLINE_START:
-            topk = bin_series(hist, "schedule/topk")
-            panels.append((f"top-k per bin: {a}", "pages", {f"bin {b}": (steps[a], topk[b]) for b in used
-                                                             if b in topk}))
-    plot_panels([p for p in panels if p[2]], path, columns=4)  # an arm without binned tokens has no panel
 
 
 def _run_arm(spec: RunSpec, arm: str, seed: int, calibrated) -> SeedRun:

@@ -1,6 +1,7 @@
-"""``headline.png``: the study's headline figure from its table and the arms' logged steps.
+"""The study's figures: ``study.png`` (:func:`plot_study`, every arm's steps) and ``headline.png``
+(:func:`plot_headline`, the headline figure from the study's table and the arms' logged steps).
 
-Panels: the dense held-out reward per arm over steps (mean over seeds, shaded +-1 standard error:
+Headline panels: the dense held-out reward per arm over steps (mean over seeds, shaded +-1 standard error:
 ``held_out.curve`` of :func:`sparrow_jax.run.headline.arm_summary`), generated tokens per rollout
 second per arm (mean over seeds per step), then per sparse arm its per-bin p5 over the first
 seed's steps beside its tau. Draws through :func:`sparrow_jax.io.plots.plot_panels`; imports io and nothing of the
@@ -13,10 +14,8 @@ from typing import Optional
 
 import numpy as np
 
+from sparrow_jax.io.metrics import bin_series
 from sparrow_jax.io.plots import plot_panels
-
-_P5, _COUNT, _TOPK = "mismatch/alpha_p5/bin_", "mismatch/count/bin_", "schedule/topk/bin_"
-
 
 def held_out_panel(table: dict[str, dict]) -> tuple:
     """(title, ylabel, series, bands) of the arms' dense held-out curves; series empty without any."""
@@ -48,10 +47,10 @@ def tokens_per_s(rows_by_seed: list[list[dict]]) -> tuple[list, list]:
 def p5_by_bin_over_steps(rows: list[dict]) -> dict[str, tuple[list, list]]:
     """``{"bin <start>": (steps, p5 per step, NaN where the bin got no tokens)}`` of the bins that
     received tokens at some step."""
-    starts = sorted({int(k[len(_COUNT):]) for r in rows for k in r if k.startswith(_COUNT) and r[k] > 0})
+    counts, p5 = bin_series(rows, "mismatch/count"), bin_series(rows, "mismatch/alpha_p5")
     steps = [r["step"] for r in rows]
-    return {f"bin {b}": (steps, [r.get(f"{_P5}{b}", np.nan) if r.get(f"{_COUNT}{b}", 0) > 0 else np.nan
-                                 for r in rows]) for b in starts}
+    return {f"bin {b}": (steps, [v if n > 0 else np.nan for v, n in zip(p5.get(b, [np.nan] * len(rows)), c)])
+            for b, c in counts.items() if np.nansum(c) > 0}
 
 
 def plot_headline(table: dict[str, dict], rows: dict[str, list[list[dict]]], path: str | os.PathLike,
@@ -66,7 +65,7 @@ def plot_headline(table: dict[str, dict], rows: dict[str, list[list[dict]]], pat
     panels.append(("generated tokens per rollout second", "tok/s", {a: s for a, s in speed.items() if s[0]}))
     for arm, seeds in rows.items():
         first = seeds[0] if seeds else []
-        if any(k.startswith(_TOPK) for r in first for k in r):
+        if bin_series(first, "schedule/topk"):
             series = p5_by_bin_over_steps(first)
             if series and taus and arm in taus:
                 steps = [r["step"] for r in first]
@@ -77,3 +76,29 @@ def plot_headline(table: dict[str, dict], rows: dict[str, list[list[dict]]], pat
         return False
     plot_panels(panels, path, columns=3)
     return True
+
+
+def plot_study(arms: dict[str, list], path: str) -> None:
+    """study.png: reward, mean alpha and generated tokens per rollout second per step for every arm;
+    then per sparse arm its p5 per generated-position bin, and per arm whose budgets moved (the
+    online controller's) its top-k per bin (bins that received tokens only)."""
+    steps = {a: [h["step"] for h in hist] for a, hist in arms.items()}
+    series = lambda key: {a: (steps[a], [h.get(key, np.nan) for h in hist]) for a, hist in arms.items()}
+    speed = {a: (steps[a], [h.get("rollout/generated_tokens", np.nan) / h.get("rollout/decode_s", np.nan)
+                            for h in hist]) for a, hist in arms.items()}
+    panels = [("reward", "reward_mean", series("reward_mean")),
+              ("mean alpha (sparse arms)", "alpha mean", {a: v for a, v in series("mismatch/alpha_mean").items()
+                                                          if a != "dense"}),
+              ("generated tokens per rollout second", "tok/s", speed)]
+    for a, hist in arms.items():
+        if a == "dense":
+            continue
+        counts = bin_series(hist, "mismatch/count")
+        used = [b for b, c in counts.items() if np.nansum(c) > 0]
+        p5 = bin_series(hist, "mismatch/alpha_p5")
+        panels.append((f"p5 per bin: {a}", "alpha p5", {f"bin {b}": (steps[a], p5[b]) for b in used if b in p5}))
+        topk = bin_series(hist, "schedule/topk")
+        if any(len({v for v in values if np.isfinite(v)}) > 1 for values in topk.values()):
+            panels.append((f"top-k per bin: {a}", "pages", {f"bin {b}": (steps[a], topk[b]) for b in used
+                                                             if b in topk}))
+    plot_panels([p for p in panels if p[2]], path, columns=4)  # an arm without binned tokens has no panel
