@@ -89,6 +89,8 @@ def table(columns: dict[str, dict]) -> str:
              ("dense validation", lambda s: _start_end(s["val_dense"])),
              ("sparse validation", lambda s: _start_end(s["val_sparse"])),
              ("p5 hold fraction", lambda s: f"{_fmt(s['p5_hold_fraction'])} of {s['p5_hold_cells']} cells"),
+             ("dips after fall/held/rise", lambda s: "/".join(str(s["p5_dips"][m]) for m in ("fell", "held", "rose"))
+              if s.get("p5_dips") else "-"),
              ("sparse token fraction", lambda s: _fmt(s["sparse_token_fraction"])),
              ("rollout speedup (paired)", speedup),
              ("gen tokens / rollout s", lambda s: _fmt(s["gen_tokens_per_s"], ".0f")),

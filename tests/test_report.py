@@ -8,8 +8,9 @@ import pytest
 
 from sparrow_jax.io.metrics import HistogramWriter, MetricWriter, read_histograms, read_metrics
 from sparrow_jax.mismatch.tail import binned_histogram_jax, histogram_percentile, query_positions
-from sparrow_jax.run.report import (generated_tokens_per_s, measured_sparse_token_fraction, p5_hold_fraction,
-                                    p5_min_step_by_bin, pooled_p5_by_bin, training_report, val_series)
+from sparrow_jax.run.report import (generated_tokens_per_s, measured_sparse_token_fraction, p5_dips,
+                                    p5_hold_fraction, p5_min_step_by_bin, pooled_p5_by_bin, training_report,
+                                    val_series)
 
 
 def test_pooled_histogram_percentile_matches_numpy_on_the_pooled_tokens():
@@ -61,6 +62,21 @@ def test_pooled_p5_worst_step_and_hold_fraction():
     hold = p5_hold_fraction(rows, threshold=0.84, min_count=50)
     assert hold == {"p5_hold_fraction": 0.5, "p5_hold_cells": 2}
     assert p5_hold_fraction(rows, 0.84, min_count=10**6) == {"p5_hold_fraction": None, "p5_hold_cells": 0}
+
+
+def test_p5_dips_name_the_budget_move_into_each_dip():
+    """Cells below the threshold with enough tokens, each with its budget's move from the step before."""
+    topk = lambda a, b: {"schedule/topk/bin_0": a, "schedule/topk/bin_64": b}  # noqa: E731
+    rows = [_row(1, {0: (0.70, 300, 0.9), 64: (0.95, 300, 0.9)}, **topk(16, 16)),  # first step: held
+            _row(2, {0: (0.80, 300, 0.9), 64: (0.83, 300, 0.9)}, **topk(12, 16)),  # bin 0 fell, bin 64 held
+            _row(3, {0: (0.82, 300, 0.9), 64: (0.50, 100, 0.9)}, **topk(16, 12)),  # bin 0 rose; bin 64 too thin
+            _row(4, {0: (0.99, 300, 0.9), 64: (0.84, 300, 0.9)}, **topk(16, 12))]  # at the threshold: no dip
+    got = p5_dips(rows, threshold=0.84, min_count=200)
+    assert {k: got[k] for k in ("fell", "held", "rose")} == {"fell": 1, "held": 2, "rose": 1}
+    assert [(c["step"], c["bin_start"], c["move"], c["topk"]) for c in got["cells"]] == [
+        (1, 0, "held", 16), (2, 0, "fell", 12), (2, 64, "held", 16), (3, 0, "rose", 16)]
+    dense = p5_dips([_row(1, {0: (0.5, 300, 0.9)}), _row(2, {0: (0.5, 300, 0.9)})], 0.84, 200)  # no schedule
+    assert dense["held"] == 2 and dense["fell"] == dense["rose"] == 0
 
 
 def test_val_series_start_end_and_every_point():

@@ -109,6 +109,28 @@ def p5_hold_fraction(rows: list[dict], threshold: float, min_count: float) -> di
             "p5_hold_cells": len(full)}
 
 
+def p5_dips(rows: list[dict], threshold: float, min_count: float) -> dict:
+    """``p5_dips``: the (step, bin) cells with >= ``min_count`` tokens whose p5 is below ``threshold``,
+    each with the move of the bin's budget (``schedule/topk/bin_<start>``, the table the step sampled
+    at) from the step before: ``fell``, ``held`` (also the first step, and runs without a schedule) or
+    ``rose``. Returns ``{"fell", "held", "rose"}`` counts and ``cells``: ``[{"step", "bin_start",
+    "p5", "tokens", "topk", "move"}]``. A dip right after a fall is what the online controller's fall
+    probe exists to prevent; a dip at a held budget is the step-to-step spread of p5 itself."""
+    budget = {(r["step"], b): r.get(f"schedule/topk/bin_{b}") for r in rows for b in logged_bins(rows, "mismatch/count")}
+    previous = {r["step"]: q["step"] for q, r in zip(rows, rows[1:])}
+    out: dict = {"fell": 0, "held": 0, "rose": 0, "cells": []}
+    for b, cells in _bin_cells(rows).items():
+        for step, p5, n, _ in cells:
+            if n < min_count or p5 >= threshold:
+                continue
+            now, before = budget.get((step, b)), budget.get((previous.get(step), b))
+            move = "held" if now is None or before is None or now == before else ("fell" if now < before else "rose")
+            out[move] += 1
+            out["cells"].append({"step": step, "bin_start": b, "p5": p5, "tokens": n, "topk": now, "move": move})
+    out["cells"].sort(key=lambda c: (c["step"], c["bin_start"]))
+    return out
+
+
 def token_weighted_mean(rows: list[dict], key: str) -> Optional[float]:
     """The per-step share ``key`` over the whole run, each step weighted by its generated tokens
     (None without a step logging it)."""
@@ -136,7 +158,7 @@ def training_report(records: list[dict], histograms: list[tuple[int, dict]], *, 
     """The report's figures of the training logged in a workdir (no timing among them):
     reward windows, ``val_dense`` / ``val_sparse``, ``final_eval`` (the last validation point),
     the pooled per-bin tail, the hold fraction at ``tau - 0.02`` over bins of >= ``min_count``
-    tokens, the measured sparse token share and the mean completion length."""
+    tokens and the cells below it by the budget's move (:func:`p5_dips`), the measured sparse token share and the mean completion length."""
     rows = training_rows(records)
     window = reward_window(num_prompts, prompts_per_step, steps)
     evals = [r for r in records if any(k.startswith("val/") for k in r)]
@@ -144,7 +166,7 @@ def training_report(records: list[dict], histograms: list[tuple[int, dict]], *, 
             "val_dense": val_series(records, "dense", eval_k), "val_sparse": val_series(records, "sparse", eval_k),
             "final_eval": {k: _finite(v) for k, v in evals[-1].items() if k.startswith("val/")} if evals else {},
             "p5_by_bin": pooled_p5_by_bin(rows, histograms), "p5_min_step_by_bin": p5_min_step_by_bin(rows, min_count),
-            **p5_hold_fraction(rows, tau - 0.02, min_count),
+            **p5_hold_fraction(rows, tau - 0.02, min_count), "p5_dips": p5_dips(rows, tau - 0.02, min_count),
             "sparse_token_fraction": measured_sparse_token_fraction(rows),
             "completion_tokens_mean": float(np.mean([r["response_length/mean"] for r in rows])) if rows else None,
             "trained_steps": len(rows)}
