@@ -39,6 +39,8 @@ def warmup_key(config: Qwen3Config, knobs: dict[str, Any], settings: WarmupSetti
     train = dataclasses.asdict(settings)
     if not train["curriculum"]:  # settings from before the field existed keep their cache key
         del train["curriculum"]
+    if not train["lookup_every"]:  # likewise at the task's look-up rate
+        del train["lookup_every"]
     for phase in ("refine", "preamble"):  # likewise without a refine or preamble phase
         if not train[f"{phase}_steps"]:
             for name in ("steps", "lr", "batch_size"):

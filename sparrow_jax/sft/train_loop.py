@@ -96,9 +96,11 @@ def main_phase(config: Qwen3Config, knobs: dict[str, Any], settings: WarmupSetti
     params = init_params(config, seed=settings.seed)
     opt_state = optimizer.init(params)
     stages = settings.curriculum or ((final_start, train_context(knobs, settings), train_hops(knobs, settings),
-                                      settings.batch_size),)
+                                      settings.batch_size, settings.lookup_every),)
     if progress:
-        plan = ", ".join(f"{n} x {rows} rows (contexts <= {ctx}, <= {hops} hops)" for n, ctx, hops, rows in stages)
+        plan = ", ".join(f"{n} x {rows} rows (contexts <= {ctx}, <= {hops} hops"
+                         + (f", look-ups every {every[0]} lines)" if every and every[0] else ")")
+                         for n, ctx, hops, rows, *every in stages)
         print(f"[warmup] training {config.num_params():,} params, {settings.steps} steps: {plan}, then "
               f"{settings.steps - final_start} x {settings.final_batch_size} task rows of {final_len} tokens -> {path}",
               flush=True)
