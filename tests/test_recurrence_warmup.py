@@ -154,3 +154,36 @@ def test_stages_with_their_own_lookup_rate():
     with pytest.raises(ValueError, match="lookup_every=2 is a recurrence_trace setting"):
         training_batch(dict(name="pointer_trace", context_tokens=64, hops=4, distractor_frac=0.5, key_len=2),
                        WarmupSettings(steps=2, batch_size=1, queries_per_example=1, lookup_every=2), 0, tok, 512)
+
+
+def test_lookup_weight_adds_the_nll_of_the_tokens_after_an_equals_sign():
+    """loss = reference NLL + lookup_weight x the mean NLL of the reference tokens after '=', by hand
+    from the per-token log-probs; the reference NLL (the logged figure) is unchanged."""
+    import jax.numpy as jnp
+
+    from sparrow_jax.models.forward import dense_hidden, unembedding
+    from sparrow_jax.models.qwen3 import init_params
+    from sparrow_jax.models.scoring import token_logprobs
+    from sparrow_jax.sft.settings import warmup_architecture
+    from sparrow_jax.sft.train_loop import sft_loss
+
+    tok = BuiltinTokenizer()
+    config = warmup_architecture(_spec().model)
+    params = init_params(config, seed=1)
+    # row 0: reference "10:ab=7\n11:8" (one '=' in it); row 1: "cd=3" in the prompt (masked out) and "4" after
+    ids = [tok.encode("x\n10:ab=7\n11:8"), tok.encode("cd=3\n4")]
+    tokens = np.full((2, 16), tok.pad_id, np.int32)
+    mask = np.zeros((2, 16), bool)
+    for b, row in enumerate(ids):
+        tokens[b, :len(row)] = row
+    mask[0, 2:len(ids[0])], mask[1, 5] = True, True
+    seven = 2 + len(tok.encode("10:ab="))  # the one reference token after '='
+    hidden = dense_hidden(config, params, jnp.asarray(tokens), chunk=16)
+    logp = np.asarray(token_logprobs(hidden, unembedding(config, params), jnp.asarray(tokens))[0])
+    ref_nll = -logp[mask].mean()
+    loss, ref = sft_loss(config, params, jnp.asarray(tokens), jnp.asarray(mask), lookup_weight=2.0,
+                         lookup_after=tok.encode("=")[0])
+    assert float(ref) == pytest.approx(ref_nll, rel=1e-5)
+    assert float(loss) == pytest.approx(ref_nll - 2.0 * logp[0, seven], rel=1e-5)
+    plain = sft_loss(config, params, jnp.asarray(tokens), jnp.asarray(mask))[0]
+    assert float(plain) == pytest.approx(ref_nll, rel=1e-5)

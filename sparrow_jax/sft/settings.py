@@ -55,6 +55,9 @@ class WarmupSettings:
       Why: at far_every=10 the look-up constants are ~1% of a row's loss, and a 3-layer model
       learned every local line while its look-ups against tables of >= 12 entries stayed at
       chance (docs/results.md); rows dense in look-ups give that skill a larger share.
+    lookup_weight: weight of an extra loss term, the mean NLL of the reference tokens right after
+      a ``=`` (recurrence_trace's and pointer_trace's looked-up symbols); 0: none. Why: when the
+      local tokens are learned and the look-ups are not, it keeps the look-ups' share of the gradient.
     refine_steps, refine_lr, refine_batch_size: after ``steps``, a second run of the optimiser
       (fresh AdamW state, linear warm-up over ``warmup_frac`` of it, cosine decay to 10% of
       ``refine_lr``) of ``refine_steps`` steps on the task's own rows, ``refine_batch_size``
@@ -89,6 +92,7 @@ class WarmupSettings:
     final_batch_size: int = 4
     curriculum: tuple = ()
     lookup_every: int = 0
+    lookup_weight: float = 0.0
     refine_steps: int = 0
     refine_lr: float = 1e-3
     refine_batch_size: int = 4
