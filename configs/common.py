@@ -51,7 +51,9 @@ def warmup_config() -> ConfigDict:
         max_train_hops=0,  # cap on training hop counts (0: no cap)
         final_frac=0.0,  # last share of the steps trained on the task's own context and hops (0: none)
         final_batch_size=4,  # rows per step of that final phase
-        curriculum=(),  # stages ((steps, max_context, max_hops, batch_size), ...) before the final phase
+        curriculum=(),  # stages ((steps, max_context, max_hops, batch_size[, lookup_every]), ...) before the final one
+        lookup_every=0,  # recurrence_trace: curriculum rows look up every this many lines (0: task.far_every)
+        lookup_weight=0.0,  # weight of an extra loss term: the mean NLL of the reference tokens after "=" (0: none)
         refine_steps=0,  # steps of a warm restart on the task's own rows after the main phase (0: none)
         refine_lr=1e-3,  # peak learning rate of the refine run
         refine_batch_size=4,  # rows per refine step

@@ -228,7 +228,7 @@ def test_warmup_curriculum_stages_set_rows_contexts_and_hops():
     plain = dataclasses.replace(settings, curriculum=())
     assert warmup_key(config, knobs, settings) != warmup_key(config, knobs, plain)
     legacy = {k: v for k, v in dataclasses.asdict(plain).items()  # nor do the refine and preamble fields, unused
-              if k != "curriculum" and not k.startswith(("refine_", "preamble_"))}
+              if k not in ("curriculum", "lookup_every", "lookup_weight") and not k.startswith(("refine_", "preamble_"))}
     blob = json.dumps(dict(format=FORMAT, arch=dataclasses.asdict(config), task=knobs, train=legacy), sort_keys=True)
     assert warmup_key(config, knobs, plain) == hashlib.sha256(blob.encode()).hexdigest()[:16]
     with pytest.raises(ValueError, match="add up to 7, but the phase before the final one has 8"):
@@ -239,8 +239,12 @@ def test_warmup_curriculum_stages_set_rows_contexts_and_hops():
 
 def _trained_with(train: dict) -> dict:
     """A meta file's (or ``dataclasses.asdict``'s) training settings as JSON, without the fields
-    of phases it has no steps of (files written before those fields existed lack them)."""
+    of phases it has no steps of and a ``lookup_every`` left at 0 (files written before those
+    fields existed lack them)."""
     train = json.loads(json.dumps(train))  # tuples as JSON lists
+    for name in ("lookup_every", "lookup_weight"):
+        if not train.get(name):
+            train.pop(name, None)
     for phase in ("refine", "preamble"):
         if not train.get(f"{phase}_steps"):
             train = {k: v for k, v in train.items() if not k.startswith(f"{phase}_")}

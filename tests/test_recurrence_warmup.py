@@ -1,5 +1,6 @@
 """The warm-up on recurrence_trace: its knobs, pruned-table curriculum rows that still hold every
 key the trace reads, fixed row lengths that every kept row fits, and a tiny end-to-end warm-up."""
+import dataclasses
 import os
 
 import numpy as np
@@ -119,3 +120,70 @@ def test_the_configs_curriculum_rows_do_not_depend_on_the_rl_length():
         assert tokens.shape[0] == rows
         assert np.array_equal(tokens, training_batch(other, stage, start, tok, training_length(other, stage))[0])
         start += steps
+
+
+def test_stages_with_their_own_lookup_rate():
+    """A curriculum stage's 5th element (or ``lookup_every``) draws its rows with look-ups every that
+    many lines; stages without one keep the task's rate, as does the cache key of a config without it."""
+    from sparrow_jax.sft.cache import warmup_key
+    from sparrow_jax.sft.settings import WarmupSettings, warmup_architecture
+
+    spec = _spec(min_lines=40, steps=3, batch_size=4, min_context=8, max_train_context=64, queries_per_example=1,
+                 curriculum=((2, 64, 12, 4, 2), (1, 64, 12, 4)))
+    knobs, settings, tok = task_knobs(spec.task), warmup_settings(spec.model), BuiltinTokenizer()
+    dense, plain = stage_settings(settings, 1), stage_settings(settings, 2)
+    assert (dense.lookup_every, plain.lookup_every) == (2, 0)
+    # 12 lines at every 2nd: look-ups at 2, 4, 6, 8, 10 -> 12 x 5 + 5 x 3 tokens (every 10th: 12 x 5 + 3)
+    assert R.reference_tokens(dict(knobs, far_every=2), 12) == 75 and R.reference_tokens(knobs, 12) == 63
+    for stage, step, every in ((dense, 1, 2), (plain, 2, 10)):
+        tokens, ref_mask, _ = training_batch(knobs, stage, step, tok, training_length(knobs, stage))
+        for b in range(tokens.shape[0]):
+            first = int(np.argmax(ref_mask[b]))
+            lines = tok.decode(tokens[b][ref_mask[b]][:-1]).split("\n")
+            assert [i for i, line in enumerate(lines) if "=" in line] == list(range(every, len(lines), every))
+            assert solve_recurrence_prompt(tok.decode(tokens[b][:first]), every) == lines
+    # padded row lengths: 64 table + 6 start-line tokens + the longest kept trace drawn at 12 lines,
+    # 12 - 1 + 2 x every lines: every 2nd: 15 lines, 7 look-ups -> 96; every 10th: 31 lines, 3 -> 164
+    assert (training_length(knobs, dense), training_length(knobs, plain)) == (192, 256)
+    # the setting enters the cache key only when set
+    config = warmup_architecture(spec.model)
+    assert warmup_key(config, knobs, settings) != warmup_key(config, knobs, dataclasses.replace(
+        settings, curriculum=((2, 64, 12, 4), (1, 64, 12, 4))))
+    with pytest.raises(ValueError, match="lookup_every.*divisor of 100"):
+        WarmupSettings(steps=3, curriculum=((3, 64, 12, 4, 3),))
+    with pytest.raises(ValueError, match="lookup_every=2 is a recurrence_trace setting"):
+        training_batch(dict(name="pointer_trace", context_tokens=64, hops=4, distractor_frac=0.5, key_len=2),
+                       WarmupSettings(steps=2, batch_size=1, queries_per_example=1, lookup_every=2), 0, tok, 512)
+
+
+def test_lookup_weight_adds_the_nll_of_the_tokens_after_an_equals_sign():
+    """loss = reference NLL + lookup_weight x the mean NLL of the reference tokens after '=', by hand
+    from the per-token log-probs; the reference NLL (the logged figure) is unchanged."""
+    import jax.numpy as jnp
+
+    from sparrow_jax.models.forward import dense_hidden, unembedding
+    from sparrow_jax.models.qwen3 import init_params
+    from sparrow_jax.models.scoring import token_logprobs
+    from sparrow_jax.sft.settings import warmup_architecture
+    from sparrow_jax.sft.train_loop import sft_loss
+
+    tok = BuiltinTokenizer()
+    config = warmup_architecture(_spec().model)
+    params = init_params(config, seed=1)
+    # row 0: reference "10:ab=7\n11:8" (one '=' in it); row 1: "cd=3" in the prompt (masked out) and "4" after
+    ids = [tok.encode("x\n10:ab=7\n11:8"), tok.encode("cd=3\n4")]
+    tokens = np.full((2, 16), tok.pad_id, np.int32)
+    mask = np.zeros((2, 16), bool)
+    for b, row in enumerate(ids):
+        tokens[b, :len(row)] = row
+    mask[0, 2:len(ids[0])], mask[1, 5] = True, True
+    seven = 2 + len(tok.encode("10:ab="))  # the one reference token after '='
+    hidden = dense_hidden(config, params, jnp.asarray(tokens), chunk=16)
+    logp = np.asarray(token_logprobs(hidden, unembedding(config, params), jnp.asarray(tokens))[0])
+    ref_nll = -logp[mask].mean()
+    loss, ref = sft_loss(config, params, jnp.asarray(tokens), jnp.asarray(mask), lookup_weight=2.0,
+                         lookup_after=tok.encode("=")[0])
+    assert float(ref) == pytest.approx(ref_nll, rel=1e-5)
+    assert float(loss) == pytest.approx(ref_nll - 2.0 * logp[0, seven], rel=1e-5)
+    plain = sft_loss(config, params, jnp.asarray(tokens), jnp.asarray(mask))[0]
+    assert float(plain) == pytest.approx(ref_nll, rel=1e-5)

@@ -72,6 +72,17 @@ def train_hops(knobs: dict[str, Any], settings: WarmupSettings) -> int:
     return max(int(knobs["hops"]), int(settings.train_hops))
 
 
+def row_knobs(knobs: dict[str, Any], settings: WarmupSettings) -> dict[str, Any]:
+    """The knobs training rows are drawn with: the task's, with recurrence_trace's ``far_every``
+    replaced by ``settings.lookup_every`` when that is set (denser look-ups while they are learned)."""
+    if not settings.lookup_every:
+        return knobs
+    if knobs["name"] != recurrence_rows.NAME:
+        raise ValueError(f"warmup lookup_every={settings.lookup_every} is a recurrence_trace setting; task "
+                         f"{knobs['name']!r} has no look-up rate")
+    return dict(knobs, far_every=int(settings.lookup_every))
+
+
 def train_context(knobs: dict[str, Any], settings: WarmupSettings) -> int:
     """Longest context of a training example: the task's, capped at ``max_train_context``."""
     return min(int(knobs["context_tokens"]), int(settings.max_train_context))
@@ -88,10 +99,11 @@ def training_batch(knobs: dict[str, Any], settings: WarmupSettings, step: int, t
     if settings.queries_per_example > 1 and knobs["name"] != "pointer_chase":
         raise ValueError(f"warmup queries_per_example={settings.queries_per_example}: extra questions exist only "
                          f"for pointer_chase prompts, not {knobs['name']!r}; set it to 1")
+    rows_knobs = row_knobs(knobs, settings)  # fails fast on a look-up rate for a task without one
     rng = np.random.default_rng([settings.seed, TRAIN_STREAM, step])
     hi = train_context(knobs, settings)
     if knobs["name"] == recurrence_rows.NAME:  # tables of [min_context, hi] tokens, traces up to train_hops lines
-        rows = recurrence_rows.stage_rows(knobs, settings.batch_size, rng, settings.min_context, hi,
+        rows = recurrence_rows.stage_rows(rows_knobs, settings.batch_size, rng, settings.min_context, hi,
                                           train_hops(knobs, settings))
         return make_batch(rows, knobs["name"], tokenizer, seq_len)
     lo = min(settings.min_context, hi)
@@ -124,7 +136,7 @@ def training_length(knobs: dict[str, Any], settings: WarmupSettings) -> int:
     """Fixed padded length of training rows: the longest prompt and answer plus the extra questions."""
     h = train_hops(knobs, settings)
     if knobs["name"] == recurrence_rows.NAME:
-        return recurrence_rows.row_length(knobs, train_context(knobs, settings), h)
+        return recurrence_rows.row_length(row_knobs(knobs, settings), train_context(knobs, settings), h)
     query = 2 * knobs["key_len"] + len(str(h)) + 6  # "start " key " hops " n "\n" (word tokens count 1)
     extra = (settings.queries_per_example - 1) * (query + max_reference_tokens(knobs, h))
     longest = sequence_length(dict(knobs, context_tokens=train_context(knobs, settings)), h) + extra

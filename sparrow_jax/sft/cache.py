@@ -39,6 +39,9 @@ def warmup_key(config: Qwen3Config, knobs: dict[str, Any], settings: WarmupSetti
     train = dataclasses.asdict(settings)
     if not train["curriculum"]:  # settings from before the field existed keep their cache key
         del train["curriculum"]
+    for name in ("lookup_every", "lookup_weight"):  # likewise at the task's look-up rate and no look-up weight
+        if not train[name]:
+            del train[name]
     for phase in ("refine", "preamble"):  # likewise without a refine or preamble phase
         if not train[f"{phase}_steps"]:
             for name in ("steps", "lr", "batch_size"):

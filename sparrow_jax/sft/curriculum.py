@@ -15,13 +15,13 @@ from sparrow_jax.sft.settings import WarmupSettings
 
 
 def stage_settings(settings: WarmupSettings, step: int) -> WarmupSettings:
-    """The settings a pre-final ``step`` trains with: its curriculum stage's context, hops and
-    rows (the settings themselves without a curriculum)."""
+    """The settings a pre-final ``step`` trains with: its curriculum stage's context, hops, rows
+    and (when the stage names one) ``lookup_every`` (the settings themselves without a curriculum)."""
     start = 0
-    for steps, context, hops, rows in settings.curriculum:
+    for steps, context, hops, rows, *every in settings.curriculum:
         if step < start + steps:
             return dataclasses.replace(settings, max_train_context=context, max_train_hops=hops, batch_size=rows,
-                                       curriculum=())
+                                       lookup_every=every[0] if every else settings.lookup_every, curriculum=())
         start += steps
     return dataclasses.replace(settings, curriculum=())
 

@@ -48,6 +48,16 @@ class WarmupSettings:
       NLL of 0.3 by step 325, values then ~40-50% right, while contexts <= 64-256 with up to 20-48
       hops stayed on the uniform-over-records plateau for 1500 steps); later stages grow the rows
       toward the task's (without them the model fails past the positions it was trained on).
+      A stage may have a 5th element, its ``lookup_every`` (replacing the setting below).
+    lookup_every: recurrence_trace only: > 0 makes the curriculum (or single-phase) rows look up
+      every ``lookup_every``-th line (a divisor of 100) instead of every ``task.far_every``-th;
+      0: the task's. The final, refine and preamble phases and the evaluation keep the task's.
+      Why: at far_every=10 the look-up constants are ~1% of a row's loss, and a 3-layer model
+      learned every local line while its look-ups against tables of >= 12 entries stayed at
+      chance (docs/results.md); rows dense in look-ups give that skill a larger share.
+    lookup_weight: weight of an extra loss term, the mean NLL of the reference tokens right after
+      a ``=`` (recurrence_trace's and pointer_trace's looked-up symbols); 0: none. Why: when the
+      local tokens are learned and the look-ups are not, it keeps the look-ups' share of the gradient.
     refine_steps, refine_lr, refine_batch_size: after ``steps``, a second run of the optimiser
       (fresh AdamW state, linear warm-up over ``warmup_frac`` of it, cosine decay to 10% of
       ``refine_lr``) of ``refine_steps`` steps on the task's own rows, ``refine_batch_size``
@@ -81,6 +91,8 @@ class WarmupSettings:
     final_frac: float = 0.0
     final_batch_size: int = 4
     curriculum: tuple = ()
+    lookup_every: int = 0
+    lookup_weight: float = 0.0
     refine_steps: int = 0
     refine_lr: float = 1e-3
     refine_batch_size: int = 4
@@ -109,9 +121,13 @@ class WarmupSettings:
         if not 0.0 <= self.warmup_frac < 1.0:
             raise ValueError(f"warmup warmup_frac must be in [0, 1), got {self.warmup_frac}")
         stages = [tuple(stage) for stage in self.curriculum]
-        if any(len(st) != 4 or not all(isinstance(v, int) and v > 0 for v in st) for st in stages):
+        if any(len(st) not in (4, 5) or not all(isinstance(v, int) and v > 0 for v in st[:4]) for st in stages):
             raise ValueError(f"warmup curriculum stages must be (steps, max_context, max_hops, batch_size) of "
-                             f"positive ints, got {self.curriculum}")
+                             f"positive ints (and optionally lookup_every), got {self.curriculum}")
+        for every in [self.lookup_every] + [st[4] for st in stages if len(st) == 5]:
+            if not isinstance(every, int) or every < 0 or every == 1 or (every and 100 % every):
+                raise ValueError(f"warmup lookup_every (setting or a curriculum stage's 5th element) must be 0 (the "
+                                 f"task's far_every) or a divisor of 100 >= 2, got {every}")
         first_final = self.steps - int(round(self.final_frac * self.steps))
         if stages and sum(st[0] for st in stages) != first_final:
             raise ValueError(f"warmup curriculum steps add up to {sum(st[0] for st in stages)}, but the phase "

@@ -29,11 +29,13 @@ from sparrow_jax.sft.settings import WarmupSettings
 
 
 def sft_loss(config: Qwen3Config, params: Params, tokens: jax.Array, mask: jax.Array,
-             prompt_mask: jax.Array | None = None, prompt_weight: float = 0.0) -> tuple[jax.Array, jax.Array]:
+             prompt_mask: jax.Array | None = None, prompt_weight: float = 0.0, lookup_weight: float = 0.0,
+             lookup_after: int = -1) -> tuple[jax.Array, jax.Array]:
     """(loss, reference NLL). tokens int32 [B, L]; mask, prompt_mask bool [B, L].
 
     reference NLL = mean NLL over ``mask`` tokens; loss = it + ``prompt_weight`` x the mean
-    NLL over ``prompt_mask`` tokens.
+    NLL over ``prompt_mask`` tokens + ``lookup_weight`` x the mean NLL over the reference tokens
+    right after a ``lookup_after`` token (the looked-up constants).
     """
     # One query chunk covering the row: no padded queries (training rows are short).
     hidden = dense_hidden(config, params, tokens, chunk=tokens.shape[1])
@@ -43,16 +45,25 @@ def sft_loss(config: Qwen3Config, params: Params, tokens: jax.Array, mask: jax.A
         return -jnp.sum(logp * m) / jnp.maximum(jnp.sum(m), 1.0)
 
     ref = mean_nll(mask)
-    if prompt_mask is None or prompt_weight == 0.0:
-        return ref, ref
-    return ref + prompt_weight * mean_nll(prompt_mask), ref
+    loss = ref
+    if prompt_mask is not None and prompt_weight != 0.0:
+        loss = loss + prompt_weight * mean_nll(prompt_mask)
+    if lookup_weight != 0.0:
+        after = jnp.pad(tokens[:, :-1] == lookup_after, ((0, 0), (1, 0)))  # [B, L]: the previous token is it
+        loss = loss + lookup_weight * mean_nll(mask & after)
+    return loss, ref
 
 
-def make_train_step(config: Qwen3Config, optimizer: optax.GradientTransformation, prompt_weight: float = 0.0):
-    """One jitted step ``(params, opt_state, tokens, mask, prompt_mask) -> (params, opt_state, ref_nll)``."""
+def make_train_step(config: Qwen3Config, optimizer: optax.GradientTransformation, prompt_weight: float = 0.0,
+                    lookup_weight: float = 0.0):
+    """One jitted step ``(params, opt_state, tokens, mask, prompt_mask) -> (params, opt_state, ref_nll)``
+    (``lookup_weight``: extra weight of the tokens after ``=``, see :func:`sft_loss`)."""
+    eq = BuiltinTokenizer().encode("=")[0]
+
     def step(params, opt_state, tokens, mask, prompt_mask):
         (_, ref), grads = jax.value_and_grad(
-            lambda p: sft_loss(config, p, tokens, mask, prompt_mask, prompt_weight), has_aux=True)(params)
+            lambda p: sft_loss(config, p, tokens, mask, prompt_mask, prompt_weight, lookup_weight, eq),
+            has_aux=True)(params)
         updates, opt_state = optimizer.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, ref
     return jax.jit(step, donate_argnums=(0, 1))
@@ -92,13 +103,15 @@ def main_phase(config: Qwen3Config, knobs: dict[str, Any], settings: WarmupSetti
     seq_lens = {}  # one padded length (one compile) per curriculum stage
     final_start = final_phase_start(settings)
     optimizer = make_optimizer(settings)
-    train_step = make_train_step(config, optimizer, settings.prompt_weight)
+    train_step = make_train_step(config, optimizer, settings.prompt_weight, settings.lookup_weight)
     params = init_params(config, seed=settings.seed)
     opt_state = optimizer.init(params)
     stages = settings.curriculum or ((final_start, train_context(knobs, settings), train_hops(knobs, settings),
-                                      settings.batch_size),)
+                                      settings.batch_size, settings.lookup_every),)
     if progress:
-        plan = ", ".join(f"{n} x {rows} rows (contexts <= {ctx}, <= {hops} hops)" for n, ctx, hops, rows in stages)
+        plan = ", ".join(f"{n} x {rows} rows (contexts <= {ctx}, <= {hops} hops"
+                         + (f", look-ups every {every[0]} lines)" if every and every[0] else ")")
+                         for n, ctx, hops, rows, *every in stages)
         print(f"[warmup] training {config.num_params():,} params, {settings.steps} steps: {plan}, then "
               f"{settings.steps - final_start} x {settings.final_batch_size} task rows of {final_len} tokens -> {path}",
               flush=True)
@@ -128,7 +141,7 @@ def continued_phase(config: Qwen3Config, knobs: dict[str, Any], settings: Warmup
         print(f"[warmup] {phase}: {n_steps} x {rows.final_batch_size} task rows of {final_len} tokens (peak lr "
               f"{lr:g}) on {where}", flush=True)
     optimizer = make_optimizer(settings, phase)
-    train_step = make_train_step(config, optimizer, settings.prompt_weight)
+    train_step = make_train_step(config, optimizer, settings.prompt_weight, settings.lookup_weight)
     opt_state = optimizer.init(params)
     first = base_settings.steps + base_settings.refine_steps  # rows past the base's
     for step in range(first, first + n_steps):
