@@ -116,7 +116,8 @@ def p5_dips(rows: list[dict], threshold: float, min_count: float) -> dict:
     ``rose``. Returns ``{"fell", "held", "rose"}`` counts and ``cells``: ``[{"step", "bin_start",
     "p5", "tokens", "topk", "move"}]``. A dip right after a fall is what the online controller's fall
     probe exists to prevent; a dip at a held budget is the step-to-step spread of p5 itself."""
-    budget = {(r["step"], b): r.get(f"schedule/topk/bin_{b}") for r in rows for b in logged_bins(rows, "mismatch/count")}
+    bins = logged_bins(rows, "mismatch/count")
+    budget = {(r["step"], b): r.get(f"schedule/topk/bin_{b}") for r in rows for b in bins}
     previous = {r["step"]: q["step"] for q, r in zip(rows, rows[1:])}
     out: dict = {"fell": 0, "held": 0, "rose": 0, "cells": []}
     for b, cells in _bin_cells(rows).items():
@@ -158,7 +159,8 @@ def training_report(records: list[dict], histograms: list[tuple[int, dict]], *, 
     """The report's figures of the training logged in a workdir (no timing among them):
     reward windows, ``val_dense`` / ``val_sparse``, ``final_eval`` (the last validation point),
     the pooled per-bin tail, the hold fraction at ``tau - 0.02`` over bins of >= ``min_count``
-    tokens and the cells below it by the budget's move (:func:`p5_dips`), the measured sparse token share and the mean completion length."""
+    tokens and the cells below it by the budget's move (:func:`p5_dips`), the measured sparse token
+    share and the mean completion length."""
     rows = training_rows(records)
     window = reward_window(num_prompts, prompts_per_step, steps)
     evals = [r for r in records if any(k.startswith("val/") for k in r)]

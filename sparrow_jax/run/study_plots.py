@@ -1,11 +1,11 @@
 """The study's figures: ``study.png`` (:func:`plot_study`, every arm's steps) and ``headline.png``
 (:func:`plot_headline`, the headline figure from the study's table and the arms' logged steps).
 
-Headline panels: the dense held-out reward per arm over steps (mean over seeds, shaded +-1 standard error:
-``held_out.curve`` of :func:`sparrow_jax.run.headline.arm_summary`), generated tokens per rollout
-second per arm (mean over seeds per step), then per sparse arm its per-bin p5 over the first
-seed's steps beside its tau. Draws through :func:`sparrow_jax.io.plots.plot_panels`; imports io and nothing of the
-run layer.
+Headline panels: the dense held-out reward per arm over steps (mean over seeds, shaded +-1
+standard error: ``held_out.curve`` of :func:`sparrow_jax.run.headline.arm_summary`), generated
+tokens per rollout second per arm (mean over seeds per step), then per sparse arm its per-bin p5
+over the first seed's steps beside its tau. Draws through :func:`sparrow_jax.io.plots.plot_panels`;
+imports io and nothing of the run layer.
 """
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ import numpy as np
 
 from sparrow_jax.io.metrics import bin_series
 from sparrow_jax.io.plots import plot_panels
+
 
 def held_out_panel(table: dict[str, dict]) -> tuple:
     """(title, ylabel, series, bands) of the arms' dense held-out curves; series empty without any."""

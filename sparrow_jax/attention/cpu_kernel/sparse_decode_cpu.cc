@@ -39,8 +39,8 @@
 #include <functional>
 #include <memory>
 #include <mutex>
-#include <utility>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "xla/ffi/api/ffi.h"
