@@ -43,6 +43,8 @@ def _cfg(**fields):
     (dict(task__dataset="rows.parquet"),
      r"^--config\.task\.num_train=64: must be 0 with task\.dataset='rows\.parquet'"),
     (dict(task__num_train=0), r"^--config\.task\.num_train=0: must be > 0"),
+    (dict(task__key_digits=1), r"^--config\.task\.key_digits=1: only task recurrence_trace reads it"),
+    (dict(task__name="recurrence_trace", task__key_digits=3), r"^--config\.task\.key_digits=3: must be 1 or 2"),
     (dict(model__tiny__vocab_size=128),
      r"^--config\.model\.tiny\.vocab_size=128: is the tokenizer's; remove the field"),
     (dict(schedule__kind="preset", schedule__preset="qwen3-4b-0.86"),

@@ -114,6 +114,28 @@ def test_a_workdir_run_continues_only_under_its_own_config(tmp_path):
     assert run_state(str(study)) == [os.path.join("dense", "checkpoints")]
 
 
+def test_a_field_added_since_a_run_started_is_continuable_at_its_default(tmp_path):
+    """A config.json written before a spec field existed (the field absent) continues when the
+    field is at its default, and is refused, naming the field, when it is not."""
+    import json
+
+    from sparrow_jax.run.workdir import check_workdir, write_config
+
+    cfg = get_config()
+    cfg.workdir = str(tmp_path / "run")
+    write_config(parse_spec(cfg))
+    os.makedirs(tmp_path / "run" / "checkpoints")
+    path = tmp_path / "run" / "config.json"
+    old = json.loads(path.read_text())
+    del old["task"]["gap_tokens"]                          # as written before the field existed
+    path.write_text(json.dumps(old))
+    check_workdir(parse_spec(cfg))                         # at its default: the same run
+    cfg.task.name, cfg.task.gap_tokens = "recurrence_trace", 8
+    cfg.task.context_tokens = 200
+    with pytest.raises(ValueError, match=r"^--config\.workdir=.*task\.gap_tokens: 0 -> 8"):
+        check_workdir(parse_spec(cfg))
+
+
 def test_recurrence_trace_knobs_reach_its_generator_and_pointer_knobs_do_not():
     from sparrow_jax.data.registry import get_task
     from sparrow_jax.data.tasks import recurrence_trace

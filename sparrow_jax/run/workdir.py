@@ -13,10 +13,11 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import typing
 from typing import Any, Optional
 
 from sparrow_jax.io import atomic_write_json
-from sparrow_jax.run.specs import RunSpec
+from sparrow_jax.run.specs import ConfigError, RunSpec
 
 CONFIG_FILE = "config.json"
 # Fields a continued run may change: where it lives, how long it runs (more steps extend it), how
@@ -50,20 +51,47 @@ def config_differences(old: Any, new: Any, prefix: str = "") -> list[str]:
     return [] if old == new else [f"{prefix}: {old!r} -> {new!r}"]
 
 
+def _with_new_defaults(old: dict, spec: RunSpec) -> dict:
+    """``old`` (a ``config.json``) with the spec fields added since it was written set to their
+    defaults: a field the code gained later, left at its default, changes nothing of the run."""
+    classes = {}  # dotted prefix -> the spec dataclass there
+
+    def walk(cls: type, prefix: str) -> None:
+        classes[prefix] = cls
+        for name, hint in typing.get_type_hints(cls).items():
+            if dataclasses.is_dataclass(hint):
+                walk(hint, f"{prefix}.{name}" if prefix else name)
+
+    walk(type(spec), "")
+    filled = json.loads(json.dumps(old))
+    for prefix, cls in classes.items():
+        node = filled
+        for part in filter(None, prefix.split(".")):
+            node = node.get(part) if isinstance(node, dict) else None
+        if not isinstance(node, dict):
+            continue
+        for f in dataclasses.fields(cls):
+            if f.name not in node and f.default is not dataclasses.MISSING:
+                node[f.name] = json.loads(json.dumps(f.default))
+    return filled
+
+
 def spec_json(spec: RunSpec) -> dict:
     """The spec as the JSON ``config.json`` holds (tuples as lists)."""
     return json.loads(json.dumps(dataclasses.asdict(spec)))
 
 
 def check_workdir(spec: RunSpec) -> None:
-    """Raise ``ValueError`` when ``spec.workdir`` holds a run (:func:`run_state`) started with a config
-    that differs from ``spec`` outside :data:`CONTINUABLE`; nothing in the directory is touched."""
+    """Raise :class:`ConfigError` (a ``ValueError``) when ``spec.workdir`` holds a run
+    (:func:`run_state`) started with a config that differs from ``spec`` outside
+    :data:`CONTINUABLE`, fields added to the code since at their defaults aside; nothing in the
+    directory is touched."""
     state = run_state(spec.workdir)
     path = os.path.join(spec.workdir, CONFIG_FILE)
     if not state or not os.path.exists(path):
         return
     with open(path) as f:
-        old = json.load(f)
+        old = _with_new_defaults(json.load(f), spec)
     new = spec_json(spec)
     for name in CONTINUABLE:
         old.pop(name, None)
@@ -71,7 +99,8 @@ def check_workdir(spec: RunSpec) -> None:
     diffs = config_differences(old, new)
     if diffs:
         shown = "; ".join(diffs[:8]) + (f"; and {len(diffs) - 8} more" if len(diffs) > 8 else "")
-        raise ValueError(f"{spec.workdir} holds a run ({', '.join(state)}) started with another config ({shown}). "
+        raise ConfigError(f"--config.workdir={spec.workdir}: holds a run ({', '.join(state)}) started with another "
+                          f"config ({shown}). "
                          f"Continuing it would mix the two; pass a new --config.workdir, or move {spec.workdir} away "
                          f"to start over")
 
