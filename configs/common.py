@@ -83,7 +83,7 @@ def task_config() -> ConfigDict:
         min_lines=0,  # recurrence_trace: the trace ends at the first fresh look-up past this line (0: default 100)
         far_every=0,  # recurrence_trace: one line in far_every is a look-up, a divisor of 100 (0: default 10)
         gap_tokens=0,  # recurrence_trace: tokens of unrelated text between the table and the start line
-        key_digits=0,  # recurrence_trace: a look-up key spells the last 1 or 2 digits (0: default 2; 1: a 10-key table)
+        key_letters=0,  # recurrence_trace: letters of a look-up key, 1 (20 keys) or 2 (100 keys; 0: the default 2)
         reward_workers=2,  # RewardPool processes, for tasks that score in a pool (math)
         reward_timeout_s=10.0,  # per-answer verifier timeout in the pool (a timeout scores 0)
     ))

@@ -21,21 +21,21 @@ def test_reference_is_the_rule_applied_to_the_prompt(far_every, min_lines):
         assert ex["prompt"].count("=#;") == 1  # one terminal constant in the table
 
 
-@pytest.mark.parametrize("far_every,min_lines", [(10, 160), (5, (40, 80))])
-def test_one_letter_keys_follow_the_rule_from_a_ten_key_table(far_every, min_lines):
+@pytest.mark.parametrize("far_every,min_lines", [(10, 240), (5, (40, 80))])
+def test_one_letter_keys_follow_the_rule_from_a_twenty_key_table(far_every, min_lines):
     tok = BuiltinTokenizer()
-    examples = rt.generate(6, seed=4, context_tokens=80, min_lines=min_lines, far_every=far_every, key_digits=1)
+    examples = rt.generate(6, seed=4, context_tokens=104, min_lines=min_lines, far_every=far_every, key_letters=1)
     lo = min_lines if isinstance(min_lines, int) else min_lines[0]
     for ex in examples:
         lines = ex["reference"].split("\n")
-        assert lines == solve_recurrence_prompt(ex["prompt"], far_every, key_digits=1)
+        assert lines == solve_recurrence_prompt(ex["prompt"], far_every, key_letters=1)
         assert len(lines) >= lo and lines[-1].endswith("=#") and ex["prompt"].count("=#;") == 1
         records = [r for r in ex["prompt"].split("\n")[0].split(";") if r]
-        assert len(records) == (80 - 16) // 4 and {r[0] for r in records} >= set("abcdefghij")
+        assert len(records) == (104 - 16) // 4 and {r[0] for r in records} >= set("abcdefghijklmnopqrst")
         assert all(len(tok.encode(r + ";")) == 4 for r in records)
         assert {len(tok.encode(line)) for line in lines} == {4, 6}  # + newline: 5 and 7 tokens a line
         keys = {line.split(":")[1][0] for line in lines[2:-1] if "=" in line}
-        assert len(keys) >= 4  # the index's tens digit keeps the trace from cycling through one or two keys
+        assert len(keys) >= 4  # the trace does not cycle through one or two keys
 
 
 def test_lookup_share_and_token_shape():
@@ -65,8 +65,8 @@ def test_knobs_set_prompt_length_and_distance():
     ({"min_lines": (50, 40)}, "min_lines"),
     ({"gap_tokens": -1}, "gap_tokens"),
     ({"context_tokens": 10 ** 6}, "context_tokens"),
-    ({"context_tokens": 124, "key_digits": 1}, "context_tokens=124 needs more table entries than the 26 keys"),
-    ({"key_digits": 3}, "key_digits must be 1 or 2"),
+    ({"context_tokens": 124, "key_letters": 1}, "context_tokens=124 needs more table entries than the 26 keys"),
+    ({"key_letters": 3}, "key_letters must be 1 or 2"),
 ])
 def test_bad_knobs_are_refused(kwargs, match):
     with pytest.raises(ValueError, match=match):

@@ -60,17 +60,17 @@ def test_pruned_tables_keep_every_key_the_trace_reads(table):
 def test_one_letter_keys_in_the_knobs_rows_and_bounds():
     cfg = base_config()
     cfg.model.tiny = ConfigDict(dict(TINY_ARCH))
-    cfg.task.name, cfg.task.context_tokens, cfg.task.key_digits = "recurrence_trace", 80, 1
+    cfg.task.name, cfg.task.context_tokens, cfg.task.key_letters = "recurrence_trace", 96, 1
     cfg.task.min_lines = 30
     knobs = task_knobs(parse_spec(cfg).task)
-    assert knobs["key_digits"] == 1 and "key_digits" not in task_knobs(_spec().task)  # the default keeps old keys
-    assert R.table_tokens(knobs) == 64 and R.reference_tokens(knobs, 12) == 12 * 5 + 2  # look-up lines of 7
+    assert knobs["key_letters"] == 1 and "key_letters" not in task_knobs(_spec().task)  # the default keeps old keys
+    assert R.table_tokens(knobs) == 80 and R.reference_tokens(knobs, 12) == 12 * 5 + 2  # look-up lines of 7
     rng = np.random.default_rng(1)
     for ex in R.task_rows(knobs, 4, rng):
         lines = ex["reference"].split("\n")
         assert len(BuiltinTokenizer().encode(ex["reference"])) + 1 == R.reference_tokens(knobs, len(lines))
         pruned = R.prune_table(ex, 20, rng)  # 5 entries of 4 tokens, read keys first
-        assert solve_recurrence_prompt(pruned["prompt"], 10, key_digits=1) == lines
+        assert solve_recurrence_prompt(pruned["prompt"], 10, key_letters=1) == lines
 
 
 def test_reference_token_bound_by_hand():

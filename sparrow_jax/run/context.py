@@ -71,12 +71,12 @@ def build_examples(t: TaskSpec, task: Task) -> tuple[list[dict], list[dict]]:
 
 def generator_args(t: TaskSpec, context_tokens: Optional[int] = None) -> dict:
     """Keyword arguments of the built-in task's generator (``context_tokens`` overridable):
-    recurrence_trace takes its own knobs (``min_lines``, ``far_every``, ``gap_tokens``, ``key_digits``), every
+    recurrence_trace takes its own knobs (``min_lines``, ``far_every``, ``gap_tokens``, ``key_letters``), every
     other generator the pointer-chase knobs; a task-only knob is passed only when set (non-zero),
     so an unset one keeps the generator's default."""
     args = dict(context_tokens=t.context_tokens if context_tokens is None else context_tokens)
     if t.name == "recurrence_trace":
-        return dict(args, **{k: getattr(t, k) for k in ("min_lines", "far_every", "gap_tokens", "key_digits")
+        return dict(args, **{k: getattr(t, k) for k in ("min_lines", "far_every", "gap_tokens", "key_letters")
                                if getattr(t, k)})
     args.update(hops=t.hops, distractor_frac=t.distractor_frac, key_len=t.key_len, isolate_chain=t.isolate_chain)
     return dict(args, preamble_tokens=t.preamble_tokens) if t.preamble_tokens else args

@@ -55,7 +55,7 @@ class TaskSpec:
     min_lines: int = 0  # recurrence_trace: trace lines before the terminal look-up (0: the generator's default)
     far_every: int = 0  # recurrence_trace: one line in far_every is a look-up (0: the generator's default)
     gap_tokens: int = 0  # recurrence_trace: tokens of unrelated text between the table and the start line
-    key_digits: int = 0  # recurrence_trace: digits a look-up key spells, 1 or 2 (0: the generator's default 2)
+    key_letters: int = 0  # recurrence_trace: letters of a look-up key, 1 or 2 (0: the generator's default 2)
 
 
 @_spec
@@ -308,7 +308,7 @@ CHOICES = {
 # Generator knobs of one built-in task each (0: unset, the generator's default): refused for any other task.
 TASK_ONLY_KNOBS = {"preamble_tokens": ("pointer_trace", "has a preamble"), "min_lines": ("recurrence_trace", "reads it"),
                    "far_every": ("recurrence_trace", "reads it"), "gap_tokens": ("recurrence_trace", "reads it"),
-                   "key_digits": ("recurrence_trace", "reads it")}
+                   "key_letters": ("recurrence_trace", "reads it")}
 POSITIVE = ("steps", "checkpoint_every", "keep_checkpoints", "eval_k", "rollout.prompts_per_step",
             "rollout.group_size", "rollout.max_new_tokens", "schedule.page_size", "schedule.bin_width",
             "train.micro_batches", "train.ppo_epochs", "train.mini_batches", "task.reward_workers",
@@ -357,7 +357,7 @@ def validate(spec: RunSpec) -> None:
     t = spec.task
     _require(t.far_every == 0 or (t.far_every >= 2 and 100 % t.far_every == 0), "task.far_every", t.far_every,
              "must be a divisor of 100 >= 2 (the trace's line index wraps at 100), or 0 for the default")
-    _require(t.key_digits in (0, 1, 2), "task.key_digits", t.key_digits, "must be 1 or 2, or 0 for the default 2")
+    _require(t.key_letters in (0, 1, 2), "task.key_letters", t.key_letters, "must be 1 or 2, or 0 for the default 2")
     _require(t.min_lines != 1, "task.min_lines", t.min_lines, "must be >= 2 (the two start lines), or 0 for the default")
     _require(m.source != "hf" or bool(m.hf_dir), "model.hf_dir", m.hf_dir, "is required when model.source='hf'")
     _require(m.source != "hf" or os.path.isfile(os.path.join(m.hf_dir, "config.json")), "model.hf_dir", m.hf_dir,

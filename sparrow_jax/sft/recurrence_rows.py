@@ -25,24 +25,24 @@ if TYPE_CHECKING:
     from sparrow_jax.run.specs import TaskSpec
 
 NAME = rt.NAME
-DEFAULT_MIN_LINES, DEFAULT_FAR_EVERY, DEFAULT_KEY_DIGITS = 100, 10, 2  # recurrence_trace.generate's defaults
+DEFAULT_MIN_LINES, DEFAULT_FAR_EVERY, DEFAULT_KEY_LETTERS = 100, 10, 2  # recurrence_trace.generate's defaults
 EXTRA_LOOKUPS = 1  # already-read keys a kept row may pass before its terminal look-up
 START_LINE_TOKENS = 6  # "\n" after the table, then "start", " ", two digits, "\n"
 
 
 def task_knobs(task: TaskSpec) -> dict[str, Any]:
     """The task fields that change the warm-up data: name, context_tokens, min_lines, far_every,
-    gap_tokens and (when not the default 2) key_digits (unset knobs resolved to the generator's
-    defaults, so the key names them; key_digits=2 left out so earlier cache keys hold)."""
+    gap_tokens and (when not the default 2) key_letters (unset knobs resolved to the generator's
+    defaults, so the key names them; key_letters=2 left out so earlier cache keys hold)."""
     knobs = dict(name=NAME, context_tokens=int(task.context_tokens),
                  min_lines=int(task.min_lines or DEFAULT_MIN_LINES),
                  far_every=int(task.far_every or DEFAULT_FAR_EVERY), gap_tokens=int(task.gap_tokens))
-    key_digits = int(task.key_digits or DEFAULT_KEY_DIGITS)
-    return knobs if key_digits == DEFAULT_KEY_DIGITS else dict(knobs, key_digits=key_digits)
+    key_letters = int(task.key_letters or DEFAULT_KEY_LETTERS)
+    return knobs if key_letters == DEFAULT_KEY_LETTERS else dict(knobs, key_letters=key_letters)
 
 
-def _key_digits(knobs: dict[str, Any]) -> int:
-    return knobs.get("key_digits", DEFAULT_KEY_DIGITS)
+def _key_letters(knobs: dict[str, Any]) -> int:
+    return knobs.get("key_letters", DEFAULT_KEY_LETTERS)
 
 
 def generate(knobs: dict[str, Any], n: int, seed: int, min_lines: "int | tuple[int, int] | None" = None
@@ -50,13 +50,13 @@ def generate(knobs: dict[str, Any], n: int, seed: int, min_lines: "int | tuple[i
     """``n`` task examples with the knobs (``min_lines`` overridable)."""
     return rt.generate(n, seed, context_tokens=knobs["context_tokens"],
                        min_lines=knobs["min_lines"] if min_lines is None else min_lines,
-                       far_every=knobs["far_every"], gap_tokens=knobs["gap_tokens"], key_digits=_key_digits(knobs))
+                       far_every=knobs["far_every"], gap_tokens=knobs["gap_tokens"], key_letters=_key_letters(knobs))
 
 
 def table_tokens(knobs: dict[str, Any]) -> int:
     """Tokens of the task's full table (``recurrence_trace`` pads it to ``context_tokens``)."""
-    size = rt.entry_tokens(_key_digits(knobs))
-    entries = max(len(rt.read_keys(_key_digits(knobs))), (knobs["context_tokens"] - 16) // size)
+    size = rt.entry_tokens(_key_letters(knobs))
+    entries = max(len(rt.read_keys(_key_letters(knobs))), (knobs["context_tokens"] - 16) // size)
     return entries * size
 
 
@@ -67,11 +67,11 @@ def max_lines(knobs: dict[str, Any], min_lines: int) -> int:
 
 def reference_tokens(knobs: dict[str, Any], lines: int) -> int:
     """Most reference + <eos> tokens of a trace of ``lines`` lines: 5 a line (newline included,
-    the last line's replaced by <eos>), 1 + key_digits more a look-up line (indices 2.. that
+    the last line's replaced by <eos>), 1 + key_letters more a look-up line (indices 2.. that
     ``far_every`` divides)."""
     f = knobs["far_every"]
     lookups = len([i for i in range(2, lines) if rt.is_lookup(i, f)])
-    return 5 * lines + (1 + _key_digits(knobs)) * lookups
+    return 5 * lines + (1 + _key_letters(knobs)) * lookups
 
 
 def row_length(knobs: dict[str, Any], table: int, min_lines: int) -> int:
@@ -87,7 +87,7 @@ def prune_table(example: dict[str, Any], table: int, rng: np.random.Generator) -
     then random others, in the table's order (the whole table when it fits)."""
     records, rest = example["prompt"].split("\n", 1)
     entries = [r for r in records.split(";") if r]
-    size = rt.entry_tokens(example["meta"].get("key_digits", DEFAULT_KEY_DIGITS))
+    size = rt.entry_tokens(example["meta"].get("key_letters", DEFAULT_KEY_LETTERS))
     if len(entries) * size <= table:
         return example
     read = {line.split(":", 1)[1].split("=")[0] for line in example["reference"].split("\n") if "=" in line}

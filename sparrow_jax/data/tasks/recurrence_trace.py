@@ -34,12 +34,14 @@ Keys made only of the letters ``k..z`` are distractor constants that pad the tab
 ``context_tokens``; ``gap_tokens`` of unrelated uppercase words between the table and the
 ``start`` line push every far read further back.
 
-``key_digits=1`` spells a look-up's key from one digit, ``v[i-1]`` plus the line index's tens
-digit (mod 10): a table of the 10 keys ``a..j``
-(plus one-letter distractors ``k..z``), entries of 4 tokens, look-up lines of 7. Why: matching
-one key token is the copy a 2-layer induction circuit does; a two-letter key needs the
-conjunction of two tokens, which tiny models learn only on tables of a handful of entries (see
-docs/results.md). The far read is as far back either way: the table is in the prompt.
+``key_letters=1`` makes every key one letter of ``a..t``: the look-up line reads the letter of
+``(v[i-1] + v[i-2] + the index's tens digit) mod 20`` (a table of 20 keys, one-letter
+distractors ``u..z``, entries of 4 tokens, look-up lines of 7). Why: matching one key token is
+the copy a 2-layer induction circuit learns; a two-letter key needs the conjunction of two
+tokens, which tiny models learned only on tables of a handful of entries (docs/results.md). The
+key is still computed from the last lines alone; the tens digit keeps the trace from cycling
+through a few keys, and 20 keys (not 10) leave one fresh for the terminal past ``min_lines``
+(34% of random tables at 240 lines, every 10th a look-up).
 
 Reward (:func:`score`), in [0, 1]: the share of the reference's lines written right before the
 first wrong one (a model that gets the first lines right earns a signal before it can finish).
@@ -60,36 +62,37 @@ if TYPE_CHECKING:
 NAME = "recurrence_trace"
 TERMINAL = "#"
 DIGIT_LETTERS = "abcdefghij"  # digit d is spelled DIGIT_LETTERS[d] in a look-up key
-DISTRACTOR_LETTERS = string.ascii_lowercase[10:]  # keys of these letters are never looked up
+DISTRACTOR_LETTERS = string.ascii_lowercase[10:]  # two-letter keys of these letters are never looked up
+ONE_LETTER_KEYS = string.ascii_lowercase[:20]  # key_letters=1: the keys look-ups read
+ONE_LETTER_DISTRACTORS = string.ascii_lowercase[20:]
 _GAP_STREAM = 0x67617073  # rng stream of the gap text, apart from the table's draws
 
 
-def lookup_key(prev: int, prev2: int, key_digits: int = 2, index: int = 0) -> str:
-    """The key look-up line ``index`` reads, as letters ``a..j``: ``v[i-1]`` then ``v[i-2]``
-    (``key_digits=2``), or ``(v[i-1] + the index's tens digit) mod 10`` (``key_digits=1``: the
-    tens digit keeps the trace from cycling through the same few keys, as ``v[i-1]`` alone
-    would, since only 10 states follow a look-up)."""
-    if key_digits == 1:
-        return DIGIT_LETTERS[(prev + (index % 100) // 10) % 10]
+def lookup_key(prev: int, prev2: int, key_letters: int = 2, index: int = 0) -> str:
+    """The key look-up line ``index`` reads: ``v[i-1]`` then ``v[i-2]`` as letters ``a..j``
+    (``key_letters=2``), or the letter of ``(v[i-1] + v[i-2] + the index's tens digit) mod 20``
+    in ``a..t`` (``key_letters=1``)."""
+    if key_letters == 1:
+        return ONE_LETTER_KEYS[(prev + prev2 + (index % 100) // 10) % 20]
     return DIGIT_LETTERS[prev] + DIGIT_LETTERS[prev2]
 
 
-def entry_tokens(key_digits: int = 2) -> int:
+def entry_tokens(key_letters: int = 2) -> int:
     """Tokens of one table entry, ``key=c;``."""
-    return key_digits + 3
+    return key_letters + 3
 
 
-def read_keys(key_digits: int = 2) -> list[str]:
+def read_keys(key_letters: int = 2) -> list[str]:
     """Every key a look-up can read (all must be in the table)."""
-    if key_digits == 1:
-        return list(DIGIT_LETTERS)
+    if key_letters == 1:
+        return list(ONE_LETTER_KEYS)
     return [a + b for a in DIGIT_LETTERS for b in DIGIT_LETTERS]
 
 
-def distractor_keys(key_digits: int = 2) -> list[str]:
+def distractor_keys(key_letters: int = 2) -> list[str]:
     """Keys never looked up, that pad the table."""
-    if key_digits == 1:
-        return list(DISTRACTOR_LETTERS)
+    if key_letters == 1:
+        return list(ONE_LETTER_DISTRACTORS)
     return [a + b for a in DISTRACTOR_LETTERS for b in DISTRACTOR_LETTERS]
 
 
@@ -100,7 +103,7 @@ def is_lookup(index: int, far_every: int) -> bool:
 
 
 def trace_lines(table: dict[str, str], start: tuple[int, int], far_every: int, min_lines: int,
-                max_lines: int, key_digits: int = 2) -> list[str] | None:
+                max_lines: int, key_letters: int = 2) -> list[str] | None:
     """The reference lines for ``table`` and ``start``: local lines, look-up lines, and the
     terminal look-up as the last line; None when no terminal look-up happens by ``max_lines``.
     (The table's terminal key must not be looked up before ``min_lines``: see :func:`generate`.)"""
@@ -112,7 +115,7 @@ def trace_lines(table: dict[str, str], start: tuple[int, int], far_every: int, m
             values.append((values[-1] + values[-2]) % 10)
             lines.append(f"{tag}{values[-1]}")
             continue
-        key = lookup_key(values[-1], values[-2], key_digits, i)
+        key = lookup_key(values[-1], values[-2], key_letters, i)
         constant = table[key]
         lines.append(f"{tag}{key}={constant}")
         if constant == TERMINAL:
@@ -121,7 +124,7 @@ def trace_lines(table: dict[str, str], start: tuple[int, int], far_every: int, m
     return None
 
 
-def _check_knobs(context_tokens: int, min_lines: Any, far_every: int, gap_tokens: int, key_digits: int):
+def _check_knobs(context_tokens: int, min_lines: Any, far_every: int, gap_tokens: int, key_letters: int):
     lo, hi = (min_lines, min_lines) if isinstance(min_lines, (int, np.integer)) else tuple(min_lines)
     if not 2 <= lo <= hi:
         raise ValueError(f"recurrence_trace: min_lines must be an int >= 2 or a (lo, hi) range with 2 <= lo <= hi, "
@@ -131,57 +134,60 @@ def _check_knobs(context_tokens: int, min_lines: Any, far_every: int, gap_tokens
                          f"got {far_every}")
     if int(gap_tokens) < 0:
         raise ValueError(f"recurrence_trace: gap_tokens must be >= 0, got {gap_tokens}")
-    if key_digits not in (1, 2):
-        raise ValueError(f"recurrence_trace: key_digits must be 1 or 2, got {key_digits}")
-    max_entries = len(read_keys(key_digits)) + len(distractor_keys(key_digits))
-    if int(context_tokens) > max_entries * entry_tokens(key_digits) + 16:
+    if key_letters not in (1, 2):
+        raise ValueError(f"recurrence_trace: key_letters must be 1 or 2, got {key_letters}")
+    max_entries = len(read_keys(key_letters)) + len(distractor_keys(key_letters))
+    if int(context_tokens) > max_entries * entry_tokens(key_letters) + 16:
         raise ValueError(f"recurrence_trace: context_tokens={context_tokens} needs more table entries than the "
-                         f"{max_entries} keys of {key_digits} letter(s); use gap_tokens for longer prompts")
+                         f"{max_entries} keys of {key_letters} letter(s); use gap_tokens for longer prompts")
     return int(lo), int(hi)
 
 
-def _one_example(rng: np.random.Generator, context_tokens: int, min_lines: int, far_every: int,
-                 gap: str, key_digits: int) -> dict[str, Any]:
-    """Draw tables until the trace's first fresh look-up past ``min_lines`` can be the terminal
-    (with one-letter keys a draw may read every key before ``min_lines``: it is redrawn)."""
-    keys = read_keys(key_digits)
+def _random_table(rng: np.random.Generator, key_letters: int, min_lines: int,
+                  far_every: int) -> tuple[dict[str, str], tuple[int, int], str]:
+    """(table, start, terminal key): random tables, redrawn until the trace's first fresh look-up
+    past ``min_lines`` exists (it becomes the terminal)."""
+    keys = read_keys(key_letters)
     while True:
         table = {k: str(int(rng.integers(10))) for k in keys}
         start = (int(rng.integers(10)), int(rng.integers(10)))
         seen: set[str] = set()
-        values, terminal_key = [start[0], start[1]], None
+        values = [start[0], start[1]]
         for i in range(2, min_lines + 100 * far_every):
             if not is_lookup(i, far_every):
                 values.append((values[-1] + values[-2]) % 10)
                 continue
-            key = lookup_key(values[-1], values[-2], key_digits, i)
+            key = lookup_key(values[-1], values[-2], key_letters, i)
             if i + 1 >= min_lines and key not in seen:
-                terminal_key = key
-                break
+                return table, start, key
             seen.add(key)
-            if len(seen) == len(keys):  # no fresh key left: redraw
-                break
+            if len(seen) == len(keys):
+                break  # no fresh key left for the terminal: redraw
             values.append(int(table[key]))
-        if terminal_key is not None:
-            break
+
+
+def _one_example(rng: np.random.Generator, context_tokens: int, min_lines: int, far_every: int,
+                 gap: str, key_letters: int) -> dict[str, Any]:
+    """One example whose trace ends at its first fresh look-up past ``min_lines``."""
+    table, start, terminal_key = _random_table(rng, key_letters, min_lines, far_every)
     table[terminal_key] = TERMINAL
-    n_distractors = max(0, (context_tokens - 16) // entry_tokens(key_digits) - len(keys))
-    pool = distractor_keys(key_digits)
+    n_distractors = max(0, (context_tokens - 16) // entry_tokens(key_letters) - len(read_keys(key_letters)))
+    pool = distractor_keys(key_letters)
     for k in rng.choice(pool, size=n_distractors, replace=False):
         table[str(k)] = str(int(rng.integers(10)))
     order = rng.permutation(len(table))
     items = list(table.items())
     records = "".join(f"{items[j][0]}={items[j][1]};" for j in order)
-    lines = trace_lines(table, start, far_every, min_lines, min_lines + 100 * far_every, key_digits)
+    lines = trace_lines(table, start, far_every, min_lines, min_lines + 100 * far_every, key_letters)
     return {"prompt": f"{records}\n{gap}start {start[0]}{start[1]}\n", "reference": "\n".join(lines),
             "answer": lines[-1], "meta": {"task": NAME, "trace_lines": len(lines), "far_every": far_every,
                                           "lookups": sum(is_lookup(i, far_every) for i in range(2, len(lines))),
-                                          "key_digits": key_digits}}
+                                          "key_letters": key_letters}}
 
 
 def generate(n: int, seed: int, context_tokens: int = 512, min_lines: "int | tuple[int, int]" = 100,
              far_every: int = 10, gap_tokens: int = 0, tokenizer: "Tokenizer | None" = None,
-             key_digits: int = 2) -> list[dict[str, Any]]:
+             key_letters: int = 2) -> list[dict[str, Any]]:
     """``n`` examples: dicts with ``prompt``, ``reference`` (the trace's lines), ``answer`` (the
     terminal look-up line) and ``meta`` (``trace_lines``, ``lookups``, ``prompt_tokens``).
 
@@ -189,11 +195,11 @@ def generate(n: int, seed: int, context_tokens: int = 512, min_lines: "int | tup
     tokens; distractor keys pad it). ``min_lines``: the trace ends at the first fresh look-up at
     or past this line count (a count or an inclusive ``(lo, hi)`` range drawn per example).
     ``far_every``: one line in ``far_every`` is a look-up (a divisor of 100). ``gap_tokens``:
-    unrelated text between the table and the ``start`` line. ``key_digits``: a look-up's key
-    spells the last two digits (100 keys) or the last one (10 keys, tables of 4-token entries).
+    unrelated text between the table and the ``start`` line. ``key_letters``: a look-up's key
+    spells the last two digits (100 keys) or is one letter (20 keys, tables of 4-token entries).
     Example ``i`` depends only on ``(seed, i)``.
     """
-    lo, hi = _check_knobs(context_tokens, min_lines, far_every, gap_tokens, key_digits)
+    lo, hi = _check_knobs(context_tokens, min_lines, far_every, gap_tokens, key_letters)
     from sparrow_jax.models.tokenizer import BuiltinTokenizer
 
     tokenizer = tokenizer or BuiltinTokenizer()
@@ -201,7 +207,7 @@ def generate(n: int, seed: int, context_tokens: int = 512, min_lines: "int | tup
     for i in range(n):
         rng = np.random.default_rng([seed, i])
         gap = preamble(int(gap_tokens), np.random.default_rng([seed, i, _GAP_STREAM]))
-        ex = _one_example(rng, int(context_tokens), int(rng.integers(lo, hi + 1)), far_every, gap, key_digits)
+        ex = _one_example(rng, int(context_tokens), int(rng.integers(lo, hi + 1)), far_every, gap, key_letters)
         ex["meta"]["prompt_tokens"] = len(tokenizer.encode(ex["prompt"]))
         out.append(ex)
     return out
