@@ -102,6 +102,9 @@ def _plan(i, pages: _Pages, block: int, page_size: int, tp: int) -> _Plan:
         allowed = allowed | (q_pos[None, :] < pages.dense_before[:, None])[:, None, :, None]
     per_tile = block // page_size
     used = allowed.any(axis=2).reshape(*allowed.shape[:2], tp // block, per_tile).any(-1)  # [B, Hkv, NT]
+    # tiles past the diagonal hold only later keys: the causal mask drops them (queries below
+    # dense_before allow every page, so without this a prompt block visited every tile)
+    used = used & (jnp.arange(tp // block) <= i)
     tiles = jnp.argsort(~used, axis=-1, stable=True).astype(jnp.int32)  # used tiles first, in order
     return _Plan(tiles, jnp.max(jnp.sum(used, axis=-1)).astype(jnp.int32), allowed)
 
