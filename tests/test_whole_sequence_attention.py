@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from sparrow_jax.attention import whole_sequence
-from sparrow_jax.attention.blockwise import _Pages, _plan, blockwise_attention
+from sparrow_jax.attention.blockwise import _Pages, _plan, blockwise_attention, default_block
 from sparrow_jax.attention.whole_sequence import resolve_causal_impl, whole_sequence_attention
 from sparrow_jax.models.config import tiny_config
 from sparrow_jax.models.forward import sparse_hidden
@@ -89,6 +89,11 @@ def test_paged_blocks_visit_no_tile_past_their_diagonal():
     # pages 0-1 only (and each query's own): block 3 visits tiles 0 and 3, not 1 and 2
     idx, valid = _random_selection(3, b, hkv, t, page, 3, True)
     assert int(_plan(3, _Pages(idx, valid, None), block, page, t).count) == 2
+
+
+def test_default_block_is_a_multiple_of_the_page():
+    assert default_block() == 64 and default_block(16) == 64  # CPU
+    assert default_block(48) == 96 and default_block(128) == 128
 
 
 @pytest.mark.parametrize("selector", ["centroid", "quest"])

@@ -34,7 +34,15 @@ class _Pages(NamedTuple):
     dense_before: Optional[jax.Array]  # int32 [B]: queries below it see every page
 
 
-def blockwise_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, block: int = 256,
+def default_block(page_size: int = 1) -> int:
+    """The query / key tile when none is given, a multiple of ``page_size``: 64 tokens on CPU,
+    where a tile's scores then stay in the core's cache (128 measured ~25% slower forward and
+    ~20% slower forward + backward on the quickstart's 16 x 1592 tokens), 128 on accelerators."""
+    base = 64 if jax.default_backend() == "cpu" else 128
+    return -(-base // page_size) * page_size
+
+
+def blockwise_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, block: Optional[int] = None,
                         page_idx: Optional[jax.Array] = None, page_valid: Optional[jax.Array] = None,
                         page_size: int = 16, dense_before: Optional[jax.Array] = None) -> jax.Array:
     """Causal attention. q [B, T, H, D]; k, v [B, T, Hkv, D] -> [B, T, H, D] in q's dtype.
@@ -42,7 +50,8 @@ def blockwise_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, block: int 
     Query t attends keys 0..t. With ``page_idx`` / ``page_valid`` ([B, Hkv, T, N], a
     selection per query as :func:`sparrow_jax.attention.selection.select_pages` returns it)
     query t attends only keys of its valid selected pages (and still only keys <= t);
-    ``dense_before`` [B]: queries at positions below it attend every page.
+    ``dense_before`` [B]: queries at positions below it attend every page. ``block``: the
+    query / key tile (default :func:`default_block`; a multiple of ``page_size`` with pages).
     Differentiable in q, k, v (softmax in float32).
     """
     b, t, h, d = q.shape
@@ -52,6 +61,7 @@ def blockwise_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, block: int 
     if k.shape != (b, t, hkv, d) or v.shape != k.shape:
         raise ValueError(f"k and v must be [B={b}, T={t}, Hkv, D={d}], got {k.shape} and {v.shape}")
     paged = page_idx is not None
+    block = block or default_block(page_size if paged else 1)
     if paged:
         if page_valid is None or page_idx.shape[:3] != (b, hkv, t) or page_valid.shape != page_idx.shape:
             raise ValueError(f"page_idx and page_valid must both be [B={b}, Hkv={hkv}, T={t}, N], got "
