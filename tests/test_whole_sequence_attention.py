@@ -39,9 +39,9 @@ def _max_diffs(a, b):
     return [float(jnp.max(jnp.abs(x - y))) for x, y in zip(a, b)]
 
 
-@pytest.mark.parametrize("t, block", [(45, 8), (45, 16), (13, 64), (64, 16)])  # ragged and exact tiles, one tile
-def test_blockwise_dense_matches_reference(t, block):
-    q, k, v, w = _inputs(0, t=t)
+@pytest.mark.parametrize("t, block, b", [(45, 8, 2), (45, 16, 3), (13, 64, 2), (64, 16, 4)])  # ragged and exact
+def test_blockwise_dense_matches_reference(t, block, b):  # tiles, one tile; rows in pairs (CPU) and an odd count
+    q, k, v, w = _inputs(0, b=b, t=t)
     ref = jax.jit(lambda *a: _value_and_grads(functools.partial(whole_sequence_attention, impl="reference",
                                                                 chunk=7), *a))(q, k, v, w)
     got = jax.jit(lambda *a: _value_and_grads(functools.partial(blockwise_attention, block=block), *a))(q, k, v, w)
