@@ -64,17 +64,19 @@ def forward_flops(config: Qwen3Config, rows: int, length: int, keys_per_query: n
     return rows * (2 * length * weights + attention)
 
 
-def step_flops(config: Qwen3Config, rows: int, length: int, schedule: SparsitySchedule) -> float:
-    """The train step: old-policy forward + policy forward and backward (3x) with dense attention,
-    the sparse scorer's forward (a query sees at most ``topk + reserved`` pages) and the dense
-    logits again for the mismatch statistics."""
+def step_flops(config: Qwen3Config, rows: int, length: int, schedule: SparsitySchedule,
+               old_pass: bool = False) -> float:
+    """The train step: policy forward and backward (3x) with dense attention (plus the old
+    policy's forward with ``old_pass``; the default single on-policy update reads its old
+    log-probs from its own forward), the sparse scorer's forward (a query sees at most
+    ``topk + reserved`` pages) and the dense logits again for the mismatch statistics."""
     causal = np.arange(1, length + 1, dtype=np.float64)
     layers = config.num_hidden_layers
     dense = forward_flops(config, rows, length, np.broadcast_to(causal, (layers, length)))
     budget = (np.asarray(schedule.topk_at(np.arange(length))) + schedule.reserved) * schedule.page_size
     sparse_keys = np.stack([causal if i in schedule.dense_layers else np.minimum(causal, budget) for i in range(layers)])
     sparse = forward_flops(config, rows, length, sparse_keys)
-    return 4 * dense + sparse + rows * length * 2 * config.hidden_size * config.vocab_size
+    return (4 if old_pass else 3) * dense + sparse + rows * length * 2 * config.hidden_size * config.vocab_size
 
 
 def matmul_peak_gflops(size: int, repeats: int = 5) -> float:

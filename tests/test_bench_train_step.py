@@ -23,11 +23,14 @@ def test_flop_model_counts_causal_pairs_and_the_sparse_budget():
     no_keys = forward_flops(config, 1, 8, np.zeros((config.num_hidden_layers, 8)))
     one_pair = forward_flops(config, 1, 8, np.eye(config.num_hidden_layers, 8)[:1])
     assert one_pair - no_keys == 4 * config.num_attention_heads * config.head_dim
-    # with every page in the budget the sparse scorer is a fifth dense forward pass
+    # with every page in the budget the sparse scorer is one more dense forward pass (the fourth;
+    # the fifth with the old policy's separate pass)
     wide = SparsitySchedule(topk=(1000,), **layout)
     causal = np.broadcast_to(np.arange(1.0, 257), (config.num_hidden_layers, 256))
     extra_logits = 256 * 2 * config.hidden_size * config.vocab_size
-    assert step_flops(config, 1, 256, wide) == pytest.approx(5 * forward_flops(config, 1, 256, causal) + extra_logits)
+    assert step_flops(config, 1, 256, wide) == pytest.approx(4 * forward_flops(config, 1, 256, causal) + extra_logits)
+    assert step_flops(config, 1, 256, wide, old_pass=True) == pytest.approx(
+        5 * forward_flops(config, 1, 256, causal) + extra_logits)
     assert step_flops(config, 1, 256, SparsitySchedule(topk=(0,), **layout)) < step_flops(config, 1, 256, wide)
 
 

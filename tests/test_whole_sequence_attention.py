@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from sparrow_jax.attention import whole_sequence
-from sparrow_jax.attention.blockwise import blockwise_attention
+from sparrow_jax.attention.blockwise import _Pages, _plan, blockwise_attention, default_block
 from sparrow_jax.attention.whole_sequence import resolve_causal_impl, whole_sequence_attention
 from sparrow_jax.models.config import tiny_config
 from sparrow_jax.models.forward import sparse_hidden
@@ -39,9 +39,9 @@ def _max_diffs(a, b):
     return [float(jnp.max(jnp.abs(x - y))) for x, y in zip(a, b)]
 
 
-@pytest.mark.parametrize("t, block", [(45, 8), (45, 16), (13, 64), (64, 16)])  # ragged and exact tiles, one tile
-def test_blockwise_dense_matches_reference(t, block):
-    q, k, v, w = _inputs(0, t=t)
+@pytest.mark.parametrize("t, block, b", [(45, 8, 2), (45, 16, 3), (13, 64, 2), (64, 16, 4)])  # ragged and exact
+def test_blockwise_dense_matches_reference(t, block, b):  # tiles, one tile; rows in pairs (CPU) and an odd count
+    q, k, v, w = _inputs(0, b=b, t=t)
     ref = jax.jit(lambda *a: _value_and_grads(functools.partial(whole_sequence_attention, impl="reference",
                                                                 chunk=7), *a))(q, k, v, w)
     got = jax.jit(lambda *a: _value_and_grads(functools.partial(blockwise_attention, block=block), *a))(q, k, v, w)
@@ -77,6 +77,23 @@ def test_blockwise_paged_matches_reference(sparse_union, block):
     # the page sets matter: dense attention differs from both
     dense = jax.jit(functools.partial(blockwise_attention, block=block))(q, k, v)
     assert float(jnp.max(jnp.abs(dense - got[0]))) > 1e-2
+
+
+def test_paged_blocks_visit_no_tile_past_their_diagonal():
+    """A dense prompt prefix allows every page, later ones too; the causal mask drops those, so a
+    query block's tile list stops at its diagonal (a prompt block costs what a dense one does)."""
+    b, hkv, t, page, block = 2, 2, 64, 4, 16
+    idx, valid = _random_selection(3, b, hkv, t, page, 3, False)
+    all_prompt = _Pages(idx, valid, jnp.full((b,), t, jnp.int32))
+    assert [int(_plan(i, all_prompt, block, page, t).count) for i in range(t // block)] == [1, 2, 3, 4]
+    # pages 0-1 only (and each query's own): block 3 visits tiles 0 and 3, not 1 and 2
+    idx, valid = _random_selection(3, b, hkv, t, page, 3, True)
+    assert int(_plan(3, _Pages(idx, valid, None), block, page, t).count) == 2
+
+
+def test_default_block_is_a_multiple_of_the_page():
+    assert default_block() == 64 and default_block(16) == 64  # CPU
+    assert default_block(48) == 96 and default_block(128) == 128
 
 
 @pytest.mark.parametrize("selector", ["centroid", "quest"])

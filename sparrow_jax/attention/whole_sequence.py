@@ -83,13 +83,14 @@ def whole_sequence_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, impl: 
     Query t attends keys 0..t; with ``page_idx`` / ``page_valid`` [B, Hkv, T, N] (a
     selection per query) only keys of its valid selected pages; ``dense_before`` [B]: queries
     below it attend every page. ``chunk``: the query chunk of ``reference`` (default 256) and
-    the query / key tile of ``blockwise`` (default 128; a multiple of ``page_size`` with pages).
+    the query / key tile of ``blockwise`` (default ``blockwise.default_block``: 64 on CPU, 128
+    elsewhere; a multiple of ``page_size`` with pages).
     """
     paged = page_idx is not None
     b, t, h, d = q.shape
     impl = resolve_causal_impl(impl, dtype=q.dtype, head_dim=d, seq_len=t, paged=paged)
     if impl == "blockwise":
-        return blockwise_attention(q, k, v, block=chunk or 128, page_idx=page_idx, page_valid=page_valid,
+        return blockwise_attention(q, k, v, block=chunk, page_idx=page_idx, page_valid=page_valid,
                                    page_size=page_size, dense_before=dense_before)
     if impl == "reference":
         mask_fn = None if not paged else _page_mask_fn(page_idx, page_valid, page_size, dense_before)

@@ -11,6 +11,9 @@ Everything a step does runs in a single ``jax.jit`` with the train state donated
    each mini-batch's gradient is accumulated over ``micro_batches`` chunks (memory only:
    the update is the mini-batch's); an update whose loss or gradient is not finite is
    skipped (params and optimiser state unchanged) and counted;
+   a single on-policy update (:func:`on_policy`: one epoch, one mini-batch) skips step 1's
+   separate pass: its own forward runs under the old params, so ``logp_old`` is that
+   forward's log-probs (stop-gradient) and steps 1-3 are one forward + backward;
 4. sparse actor (no grad): teacher-forced sparse hidden states with the sampler's page
    selection; exact per-token acceptance rate vs the dense policy that sampled; p5 and mean
    per absolute-position bin of the query that produced the token (as calibration bins).
@@ -63,6 +66,9 @@ class StepOptions:
     bin_width: int = 128
     seq_chunk: int = 128
     attention_impl: str = "auto"  # whole-sequence attention (sparrow_jax.attention.whole_sequence); "reference" = XLA
+    # a single on-policy update takes its old log-probs from its own forward (on_policy); True runs
+    # the old policy's separate pass anyway (the reference of that fusion)
+    separate_old_pass: bool = False
 
     @property
     def bin_starts(self) -> list[int]:
@@ -137,6 +143,25 @@ class _Rows(NamedTuple):
     logp_ref: Optional[jax.Array]  # float32 [B, T] reference policy (KL term), or None
 
 
+class _OnPolicyRows(NamedTuple):
+    """What the single on-policy update needs per row (its old log-probs are its own forward's)."""
+
+    tokens: jax.Array  # int32 [B, T]
+    mask: jax.Array  # float32 [B, T] completion tokens
+    logp_sampler: jax.Array  # float32 [B, T]
+    advantages: jax.Array  # float32 [B]
+    logp_ref: Optional[jax.Array]  # float32 [B, T] reference policy (KL term), or None
+
+
+def on_policy(opts: StepOptions) -> bool:
+    """Whether the step is one update on the whole batch (``ppo_epochs == mini_batches == 1``),
+    whose forward then runs under the params that produced the batch: its own log-probs are the
+    old policy's. Not with ratio masking over several micro-batches: the rejected tokens leave
+    each micro-batch's share of the denominator, which must be known before the first one runs."""
+    return not opts.separate_old_pass and opts.ppo_epochs == 1 and opts.mini_batches == 1 \
+        and (opts.micro_batches == 1 or opts.tis_mask_bounds is None)
+
+
 def _split_rows(x: jax.Array, *parts: int) -> jax.Array:
     """[B, ...] -> [*parts, B / prod(parts), ...] (contiguous rows per part)."""
     return x.reshape(*parts, -1, *x.shape[1:])
@@ -156,14 +181,50 @@ def _no_grad_logprobs(config: Qwen3Config, params, tokens: jax.Array, chunks: in
     return jax.lax.stop_gradient(merge(logp)), jax.lax.stop_gradient(merge(hidden))
 
 
-def _policy_loss(params, config: Qwen3Config, mb: _Rows, opts: StepOptions):
-    hidden = dense_hidden(config, params, mb.tokens, remat=opts.remat, impl=opts.attention_impl)
-    logp, entropy = token_logprobs(hidden, unembedding(config, params), mb.tokens, opts.temperature,
+def _tis(logp_old: jax.Array, logp_sampler: jax.Array, mask: jax.Array, opts: StepOptions):
+    """TIS weights and ratio masking vs the old policy, all [B, T].
+    -> (weights or None, loss mask, ``rollout_corr/`` metrics)"""
+    out, weights, loss_mask = {}, None, mask
+    if opts.tis_cap > 0 or opts.tis_mask_bounds is not None:
+        weights, keep, out = tis_weights_and_keep(logp_old, logp_sampler, mask, cap=opts.tis_cap or None,
+                                                  level=opts.tis_level, mask_ratio_bounds=opts.tis_mask_bounds)
+        loss_mask = mask * keep  # rejected tokens leave the loss and its denominator (verl rollout_rs)
+        weights = weights if opts.tis_cap > 0 else None
+    return weights, loss_mask, out
+
+
+def _forward(params, config: Qwen3Config, tokens: jax.Array, opts: StepOptions):
+    """The policy's differentiable pass. -> (hidden [B, T, H], logp [B, T], entropy [B, T])"""
+    hidden = dense_hidden(config, params, tokens, remat=opts.remat, impl=opts.attention_impl)
+    logp, entropy = token_logprobs(hidden, unembedding(config, params), tokens, opts.temperature,
                                    seq_chunk=opts.seq_chunk)
+    return hidden, logp, entropy
+
+
+def _rows_loss(logp, entropy, mb: _Rows, opts: StepOptions):
     return grpo_loss(logp, mb.logp_old, mb.advantages, mb.mask, clip_low=opts.clip_low, clip_high=opts.clip_high,
                      dual_clip_c=opts.dual_clip or None, is_weights=mb.is_weights, agg=opts.loss_agg,
                      global_rows=opts.global_rows, logp_ref=mb.logp_ref, kl_coef=opts.kl_coef, kl_kind=opts.kl_kind,
                      entropy=entropy, entropy_coef=opts.entropy_coef)
+
+
+def _policy_loss(params, config: Qwen3Config, mb: _Rows, opts: StepOptions):
+    """-> (loss, (metrics, None))"""
+    _, logp, entropy = _forward(params, config, mb.tokens, opts)
+    loss, metrics = _rows_loss(logp, entropy, mb, opts)
+    return loss, (metrics, None)
+
+
+def _on_policy_loss(params, config: Qwen3Config, mb: _OnPolicyRows, opts: StepOptions):
+    """The single on-policy update's loss: the old log-probs are this forward's, stop-gradient
+    (ratio 1, gradient that of the ratio), and TIS weights and ratio masking follow from them.
+    -> (loss, (metrics, (logp_old [b, T], hidden [b, T, H]) stop-gradient))"""
+    hidden, logp, entropy = _forward(params, config, mb.tokens, opts)
+    logp_old = jax.lax.stop_gradient(logp)
+    weights, loss_mask, _ = _tis(logp_old, mb.logp_sampler, mb.mask, opts)
+    rows = _Rows(mb.tokens, loss_mask, mb.advantages, logp_old, weights, mb.logp_ref)
+    loss, metrics = _rows_loss(logp, entropy, rows, opts)
+    return loss, (metrics, (logp_old, jax.lax.stop_gradient(hidden)))
 
 
 def _all_finite(tree) -> jax.Array:
@@ -175,25 +236,48 @@ def _mini_batches(rows: _Rows, opts: StepOptions) -> _Rows:
     return jax.tree.map(lambda x: _split_rows(x, opts.mini_batches, opts.micro_batches), rows)
 
 
-def _update_grads(params, minis: _Rows, u, config: Qwen3Config, opts: StepOptions):
-    """Forward + backward of update ``u``: the gradient of mini-batch ``u % mini_batches``, accumulated
-    over its ``micro_batches`` chunks (memory only). -> (grads, loss, weighted loss metrics)"""
-    mini = jax.tree.map(lambda x: x[u % opts.mini_batches], minis)
-    weights = _micro_batch_weights(mini.mask, opts.loss_agg, opts.global_rows)
-    grad_fn = jax.value_and_grad(_policy_loss, has_aux=True)
+def _accumulated_grads(loss_fn, params, micros, weights: jax.Array, config: Qwen3Config, opts: StepOptions):
+    """The gradient of ``sum_i weights[i] * loss_fn(micro-batch i)``, one micro-batch at a time
+    (memory only). ``loss_fn(params, config, micro, opts) -> (loss, (metrics, aux))``; ``micros``
+    fields [n, b, ...], ``weights`` [n]. -> (grads, loss, weighted metrics, aux stacked [n, ...])"""
+    grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
 
     def accumulate(grads_acc, micro_and_weight):
         micro, w = micro_and_weight
-        (loss, metrics), grads = grad_fn(params, config, micro, opts)
-        return jax.tree.map(lambda a, g: a + g * w, grads_acc, grads), (loss, metrics)
+        (loss, (metrics, aux)), grads = grad_fn(params, config, micro, opts)
+        return jax.tree.map(lambda a, g: a + g * w, grads_acc, grads), (loss, metrics, aux)
 
     # Accumulate in float32 (bf16 params: a sum of micro-batch gradients in bf16 loses bits, and
     # bf16 + f32 * w would change the scan carry's dtype), then back to the params' dtype for
     # the optimiser, whose state has it.
     zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
-    grads, (losses, metrics) = jax.lax.scan(accumulate, zeros, (mini, weights))
+    grads, (losses, metrics, aux) = jax.lax.scan(accumulate, zeros, (micros, weights))
     grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
-    return grads, jnp.sum(losses * weights), {k: jnp.sum(v * weights) for k, v in metrics.items()}
+    return grads, jnp.sum(losses * weights), {k: jnp.sum(v * weights) for k, v in metrics.items()}, aux
+
+
+def _update_grads(params, minis: _Rows, u, config: Qwen3Config, opts: StepOptions):
+    """Forward + backward of update ``u``: the gradient of mini-batch ``u % mini_batches``, accumulated
+    over its ``micro_batches`` chunks (memory only). -> (grads, loss, weighted loss metrics)"""
+    mini = jax.tree.map(lambda x: x[u % opts.mini_batches], minis)
+    weights = _micro_batch_weights(mini.mask, opts.loss_agg, opts.global_rows)
+    return _accumulated_grads(_policy_loss, params, mini, weights, config, opts)[:3]
+
+
+def _on_policy_grads(params, batch: Batch, logp_ref, *, config: Qwen3Config, opts: StepOptions, keep_hidden: bool):
+    """Forward + backward of the single on-policy update (:func:`on_policy`), its forward also the
+    old policy's pass, accumulated over ``micro_batches`` chunks.
+    -> (grads, loss, weighted loss metrics, hidden [B, T, H] or None, ``rollout_corr/`` metrics)"""
+    micros = jax.tree.map(lambda x: _split_rows(x, opts.micro_batches),
+                          _OnPolicyRows(batch.tokens, batch.mask, batch.logp_sampler, batch.advantages, logp_ref))
+    # Shares of the denominator from the completion mask: on_policy() rules out ratio masking over
+    # several micro-batches, and for one micro-batch the share is 1 whatever the mask.
+    weights = _micro_batch_weights(micros.mask, opts.loss_agg, opts.global_rows)
+    grads, loss, metrics, (logp_old, hidden) = _accumulated_grads(_on_policy_loss, params, micros, weights, config,
+                                                                  opts)
+    merge = lambda x: x.reshape(-1, *x.shape[2:])
+    _, _, out = _tis(merge(logp_old), batch.logp_sampler, batch.mask, opts)  # metrics over the whole batch
+    return grads, loss, metrics, (merge(hidden) if keep_hidden else None), out
 
 
 def _apply_update(params, opt_state, grads, loss, metrics: dict, optimizer: optax.GradientTransformation):
@@ -297,13 +381,7 @@ def _old_policy(params, batch: Batch, *, config: Qwen3Config, opts: StepOptions,
     """No grad: the policy that produced the batch scores it (logp_old, also the TIS reference),
     then TIS weights and ratio masking. -> (logp_old, hidden or None, weights or None, loss mask, metrics)"""
     logp_old, hidden = _no_grad_logprobs(config, params, batch.tokens, chunks, opts, keep_hidden)
-    out, weights, loss_mask = {}, None, batch.mask
-    if opts.tis_cap > 0 or opts.tis_mask_bounds is not None:
-        weights, keep, out = tis_weights_and_keep(logp_old, batch.logp_sampler, batch.mask,
-                                                  cap=opts.tis_cap or None, level=opts.tis_level,
-                                                  mask_ratio_bounds=opts.tis_mask_bounds)
-        loss_mask = batch.mask * keep  # rejected tokens leave the loss and its denominator (verl rollout_rs)
-        weights = weights if opts.tis_cap > 0 else None
+    weights, loss_mask, out = _tis(logp_old, batch.logp_sampler, batch.mask, opts)
     return logp_old, hidden, weights, loss_mask, out
 
 
@@ -372,13 +450,21 @@ def train_step(state: TrainState, batch: Batch, sparse_params=None, lora_state: 
     :func:`timed_train_step` runs the same phases as separate programs and times each.
     """
     chunks = _check_step(batch, ref_params, opts)
-    logp_old, hidden, weights, loss_mask, out = _old_policy(state.params, batch, config=config, opts=opts,
-                                                            chunks=chunks, keep_hidden=schedule is not None)
+    keep_hidden = schedule is not None
     logp_ref = None if ref_params is None else _ref_logprobs(ref_params, batch.tokens, config=config, opts=opts,
                                                              chunks=chunks)
-    rows = _Rows(batch.tokens, loss_mask, batch.advantages, logp_old, weights, logp_ref)
-    params, opt_state, update_metrics, finite = _ppo_updates(state.params, state.opt_state, rows, config, optimizer,
-                                                             opts)
+    if on_policy(opts):
+        grads, loss, metrics, hidden, out = _on_policy_grads(state.params, batch, logp_ref, config=config, opts=opts,
+                                                             keep_hidden=keep_hidden)
+        params, opt_state, update_metrics, finite = _apply_update(state.params, state.opt_state, grads, loss, metrics,
+                                                                  optimizer)
+        update_metrics, finite = jax.tree.map(lambda x: x[None], (update_metrics, finite))  # one update
+    else:
+        logp_old, hidden, weights, loss_mask, out = _old_policy(state.params, batch, config=config, opts=opts,
+                                                                chunks=chunks, keep_hidden=keep_hidden)
+        rows = _Rows(batch.tokens, loss_mask, batch.advantages, logp_old, weights, logp_ref)
+        params, opt_state, update_metrics, finite = _ppo_updates(state.params, state.opt_state, rows, config,
+                                                                 optimizer, opts)
     # The scan carry's layout is XLA's choice (on a mesh it may split a small norm weight that
     # the input kept whole); pin the new state to the input's so the next step reuses this program.
     params, opt_state = jax.tree.map(lambda new, old: shard_alike(new, old)[0], (params, opt_state),
@@ -402,6 +488,7 @@ _ref_logprobs_jit = jax.jit(_ref_logprobs, static_argnames=("config", "opts", "c
 _sparse_actor_jit = jax.jit(_sparse_actor, static_argnames=("config", "opts", "lora_cfg", "lora_optimizer",
                                                             "distill"), donate_argnums=(4,))
 _update_grads_jit = jax.jit(_update_grads, static_argnames=("config", "opts"))
+_on_policy_grads_jit = jax.jit(_on_policy_grads, static_argnames=("config", "opts", "keep_hidden"))
 
 
 @functools.partial(jax.jit, static_argnames=("optimizer",), donate_argnums=(0, 1))
@@ -428,7 +515,8 @@ def timed_train_step(state: TrainState, batch: Batch, sparse_params=None, lora_s
     ``timing_s/*``. -> (new_state, new_lora_state or None, metrics fetched to the host as floats,
     {part: seconds} for ``TIMING_PARTS``).
 
-    Parts: ``old_log_prob`` (the batch's policy scores it; TIS weights), ``ref`` (the KL
+    Parts: ``old_log_prob`` (the batch's policy scores it; TIS weights; 0 for a single
+    on-policy update, whose forward is that pass: :func:`on_policy`), ``ref`` (the KL
     reference), ``scoring`` (the sparse actor's teacher-forced scorer vs the dense policy;
     DistillSparse's LoRA updates), ``forward_backward`` and ``optimizer`` (summed over the
     step's updates), ``statistics`` (metric reductions and their fetch). Same computation as
@@ -444,26 +532,39 @@ def timed_train_step(state: TrainState, batch: Batch, sparse_params=None, lora_s
         return result
 
     chunks = _check_step(batch, ref_params, opts)
-    logp_old, hidden, weights, loss_mask, out = timed(
-        "old_log_prob", _old_policy_jit, state.params, batch, config=config, opts=opts, chunks=chunks,
-        keep_hidden=schedule is not None)
+    keep_hidden = schedule is not None
     logp_ref = None
     if ref_params is not None:
         logp_ref = timed("ref", _ref_logprobs_jit, ref_params, batch.tokens, config=config, opts=opts, chunks=chunks)
-    alpha = kl = new_lora_state = None
-    sparse_metrics = {}
-    if schedule is not None:  # before the updates: it reads the step's input params, which they donate
-        alpha, kl, new_lora_state, sparse_metrics = timed(
-            "scoring", _sparse_actor_jit, state.params, batch, hidden, sparse_params, lora_state, config=config,
-            schedule=schedule, opts=opts, lora_cfg=lora_cfg, lora_optimizer=lora_optimizer, distill=distill)
-    minis = _mini_batches(_Rows(batch.tokens, loss_mask, batch.advantages, logp_old, weights, logp_ref), opts)
-    params, opt_state, update_metrics, finite = state.params, state.opt_state, [], []
-    for u in range(opts.ppo_epochs * opts.mini_batches):
-        grads, loss, metrics = timed("forward_backward", _update_grads_jit, params, minis, u, config=config, opts=opts)
-        params, opt_state, metrics, ok = timed("optimizer", _apply_update_jit, params, opt_state, grads, loss,
-                                               metrics, optimizer=optimizer)
-        update_metrics.append(metrics)
-        finite.append(ok)
+
+    def score(hidden):  # before any optimizer update: it reads the step's input params, which updates donate
+        if schedule is None:
+            return None, None, None, {}
+        return timed("scoring", _sparse_actor_jit, state.params, batch, hidden, sparse_params, lora_state,
+                     config=config, schedule=schedule, opts=opts, lora_cfg=lora_cfg, lora_optimizer=lora_optimizer,
+                     distill=distill)
+
+    if on_policy(opts):
+        grads, loss, metrics, hidden, out = timed("forward_backward", _on_policy_grads_jit, state.params, batch,
+                                                  logp_ref, config=config, opts=opts, keep_hidden=keep_hidden)
+        alpha, kl, new_lora_state, sparse_metrics = score(hidden)
+        params, opt_state, metrics, ok = timed("optimizer", _apply_update_jit, state.params, state.opt_state, grads,
+                                               loss, metrics, optimizer=optimizer)
+        update_metrics, finite = [metrics], [ok]
+    else:
+        logp_old, hidden, weights, loss_mask, out = timed(
+            "old_log_prob", _old_policy_jit, state.params, batch, config=config, opts=opts, chunks=chunks,
+            keep_hidden=keep_hidden)
+        alpha, kl, new_lora_state, sparse_metrics = score(hidden)
+        minis = _mini_batches(_Rows(batch.tokens, loss_mask, batch.advantages, logp_old, weights, logp_ref), opts)
+        params, opt_state, update_metrics, finite = state.params, state.opt_state, [], []
+        for u in range(opts.ppo_epochs * opts.mini_batches):
+            grads, loss, metrics = timed("forward_backward", _update_grads_jit, params, minis, u, config=config,
+                                         opts=opts)
+            params, opt_state, metrics, ok = timed("optimizer", _apply_update_jit, params, opt_state, grads, loss,
+                                                   metrics, optimizer=optimizer)
+            update_metrics.append(metrics)
+            finite.append(ok)
 
     def fetch():
         m = _step_metrics_jit(out, update_metrics, finite, sparse_metrics, alpha, kl, batch.mask, opts=opts)

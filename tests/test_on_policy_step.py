@@ -1,0 +1,85 @@
+"""A single on-policy update takes its old log-probs from its own forward: the same step as with
+the old policy's separate pass (params, optimiser state, every metric, the mismatch statistics)."""
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from sparrow_jax.models.config import tiny_config
+from sparrow_jax.models.lora import LoraConfig, init_lora
+from sparrow_jax.models.qwen3 import init_params
+from sparrow_jax.rl.train_step import (Batch, DistillOptions, LoraState, StepOptions, init_train_state, on_policy,
+                                       timed_train_step, train_step)
+from sparrow_jax.rollout import SparsitySchedule
+
+CONFIG = tiny_config()
+SCHEDULE = SparsitySchedule(topk=(1, 2), bin_width=16, page_size=4, dense_layers=(0,))
+BASE = StepOptions(num_bins=3, bin_width=16)
+CASES = {
+    "tis": BASE,
+    "micro_batches_kl_entropy": dataclasses.replace(BASE, micro_batches=2, kl_coef=0.1, entropy_coef=0.01,
+                                                    loss_agg="seq-mean-token-mean"),
+    "sequence_ratio_mask": dataclasses.replace(BASE, tis_level="sequence", tis_mask_bounds=(0.05, 20.0),
+                                               dual_clip=3.0),
+    "distill": BASE,
+}
+
+
+def _batch(seed=0, b=4, t=40):
+    r = np.random.RandomState(seed)
+    mask = np.broadcast_to(np.arange(t) >= 12, (b, t)).copy()
+    mask[1, 30:] = False  # ragged rows
+    return Batch(tokens=jnp.asarray(r.randint(0, CONFIG.vocab_size, (b, t)), jnp.int32),
+                 mask=jnp.asarray(mask, jnp.float32),
+                 # around the random model's own log-probs (-log V ~ -4.6): TIS weights below and at the cap
+                 logp_sampler=jnp.asarray(-4.6 + 2 * r.randn(b, t), jnp.float32),
+                 advantages=jnp.asarray(r.randn(b), jnp.float32), prompt_lens=jnp.full((b,), 12, jnp.int32))
+
+
+def test_on_policy_is_one_update_whose_shares_are_known_first():
+    assert on_policy(StepOptions()) and on_policy(StepOptions(micro_batches=4))
+    assert on_policy(StepOptions(tis_mask_bounds=(0.5, 2.0)))
+    assert not on_policy(StepOptions(ppo_epochs=2)) and not on_policy(StepOptions(mini_batches=2))
+    assert not on_policy(StepOptions(micro_batches=2, tis_mask_bounds=(0.5, 2.0)))
+    assert not on_policy(StepOptions(separate_old_pass=True))
+
+
+@pytest.mark.parametrize("case,timed", [("tis", False), ("micro_batches_kl_entropy", True),
+                                        ("sequence_ratio_mask", False), ("distill", True)])
+def test_fused_old_log_probs_give_the_separate_pass_step(case, timed):
+    opts = CASES[case]
+    # SGD: the new params compare the gradients themselves (Adam's first step, g / |g|, would turn
+    # last-bit differences of near-zero gradient entries into visible ones)
+    optimizer = optax.sgd(0.1)
+    params = init_params(CONFIG, seed=1)
+    kw = dict(config=CONFIG, optimizer=optimizer, schedule=SCHEDULE)
+    ref = params if opts.kl_coef > 0 else None
+    lora = None
+    if case == "distill":
+        lora_cfg = LoraConfig(rank=2)
+        lora_opt = optax.sgd(0.1)
+        lora = init_lora(params, lora_cfg, jax.random.PRNGKey(0))
+        kw.update(lora_cfg=lora_cfg, lora_optimizer=lora_opt, distill=DistillOptions(updates=2))
+    fresh_lora = lambda: None if lora is None else LoraState(jax.tree.map(jnp.copy, lora), lora_opt.init(lora))
+    step = timed_train_step if timed else train_step
+
+    def run(o):
+        state = init_train_state(jax.tree.map(jnp.copy, params), optimizer)
+        return step(state, _batch(), None, fresh_lora(), ref, opts=o, **kw)
+
+    assert on_policy(opts)
+    got, want = run(opts), run(dataclasses.replace(opts, separate_old_pass=True))
+    if timed:
+        assert got[3]["old_log_prob"] == 0.0 and want[3]["old_log_prob"] > 0
+    assert set(got[2]) == set(want[2])
+    assert any(k.startswith("rollout_corr/") for k in got[2]) and "mismatch/alpha_mean" in got[2]
+    assert 0 < float(got[2]["rollout_corr/rollout_is_mean"]) < 3.0  # weights below and at the cap
+    for k in want[2]:
+        np.testing.assert_allclose(np.asarray(got[2][k]), np.asarray(want[2][k]), rtol=1e-5, atol=1e-6, err_msg=k)
+    moved = jax.tree.map(lambda a, b: float(jnp.max(jnp.abs(a - b))), got[0].params, params)
+    assert max(jax.tree.leaves(moved)) > 1e-3  # the step did update the policy
+    for a, b in zip(jax.tree.leaves((want[0], want[1])), jax.tree.leaves((got[0], got[1]))):
+        np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-5, atol=1e-6)
