@@ -73,6 +73,19 @@ def test_one_letter_keys_in_the_knobs_rows_and_bounds():
         assert solve_recurrence_prompt(pruned["prompt"], 10, key_letters=1) == lines
 
 
+def test_an_evaluation_the_task_cannot_pose_fails_before_training(tmp_path):
+    cfg = base_config()
+    cfg.model.tiny = ConfigDict(dict(TINY_ARCH))
+    cfg.model.warmup = ConfigDict(dict(steps=3, batch_size=2, min_context=16, max_train_context=32,
+                                       curriculum=((3, 32, 12, 2),), eval_lengths=(650,), eval_prompts=2))
+    cfg.task.name, cfg.task.context_tokens, cfg.task.key_letters, cfg.task.min_lines = "recurrence_trace", 96, 1, 12
+    spec = parse_spec(cfg)
+    with pytest.raises(ValueError, match=r"^model\.warmup\.eval_lengths=\(650,\): the task cannot pose 650: "
+                                         r"recurrence_trace: context_tokens=650"):
+        warmup_model(spec.model, spec.task, cache_dir=str(tmp_path), progress=False)
+    assert os.listdir(tmp_path) == []  # nothing trained, nothing written
+
+
 def test_reference_token_bound_by_hand():
     knobs = dict(name="recurrence_trace", context_tokens=512, min_lines=30, far_every=10, gap_tokens=0)
     # 12 lines: indices 0..11, look-ups at 10 only: 12 x 5 + 3

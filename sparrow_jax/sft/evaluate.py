@@ -89,6 +89,19 @@ def accuracy_by_hops(config: Qwen3Config, params: Params, knobs: dict[str, Any],
     return out
 
 
+def check_eval_examples(knobs: dict[str, Any], evals: dict[str, Any]) -> None:
+    """Raise ``ValueError`` naming ``model.warmup.eval_lengths`` / ``eval_hops`` when the task
+    cannot pose the evaluation's prompts (one example of each): checked before training, so a
+    bad evaluation setting does not cost a finished warm-up."""
+    lengths = list(evals["lengths"]) if evals["lengths"] is not None else default_eval_lengths(knobs["context_tokens"])
+    for field, values, arg in (("eval_lengths", lengths, "context_tokens"), ("eval_hops", evals["hops"], "hops")):
+        for value in values:
+            try:
+                generate_examples(knobs, 1, seed=0, **{arg: int(value)})
+            except ValueError as e:
+                raise ValueError(f"model.warmup.{field}={tuple(values)}: the task cannot pose {value}: {e}") from e
+
+
 def accuracy_tables(config: Qwen3Config, params: Params, knobs: dict[str, Any], evals: dict[str, Any], seed: int,
                     progress: bool) -> tuple[dict[int, float], dict[int, dict[str, float]], float]:
     """The warm-up's final tables: (accuracy by context length, reward and solved by hops, seconds).

@@ -33,7 +33,7 @@ from sparrow_jax.models.hf_io import load_hf
 from sparrow_jax.sft.cache import (DEFAULT_CACHE_DIR, FORMAT, TOKENIZER_NAME, find_warmup, read_warmup_meta,
                                    warmup_key, write_warmup)
 from sparrow_jax.sft.curriculum import continued_warmup
-from sparrow_jax.sft.evaluate import accuracy_tables
+from sparrow_jax.sft.evaluate import accuracy_tables, check_eval_examples
 from sparrow_jax.sft.examples import task_knobs
 from sparrow_jax.sft.settings import WarmupSettings, warmup_architecture, warmup_settings
 from sparrow_jax.sft.train_loop import LossLog, continued_phase, main_phase
@@ -93,6 +93,7 @@ def _warmup(config: Qwen3Config, knobs: dict[str, Any], settings: WarmupSettings
     if found:
         return found
 
+    check_eval_examples(knobs, evals)
     log, base_meta = LossLog(progress), None
     continued = continued_warmup(knobs, settings)
     if continued is not None:  # a run of its own on the task's rows on top of another warm-up's model
