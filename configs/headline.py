@@ -26,7 +26,9 @@ The warm-up below ships (sparrow_jax/sft/checkpoints/headline; ``--noshipped`` r
 min on 2 cores): dense greedy reward on 32 held-out prompts 0.86 / 0.62 / 0.32 at 60 / 120 / 240
 lines (solved 63% / 6% / 0%), so RL at the task's 240 lines starts at ~0.3 with room to learn. A
 1400-step warm-up on the task's whole table from the start did not learn the look-ups
-(docs/results.md).
+(docs/results.md). Not yet usable: calibrated with every layer sparse, p5 is ~0 in the late
+bins at every budget up to 32 pages and the run stops before RL (docs/results.md); larger
+budgets and a dense first layer are next.
 """
 from configs.common import study_config
 from configs.recurrence_trace import get_config as recurrence_trace_config
