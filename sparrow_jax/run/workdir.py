@@ -54,25 +54,17 @@ def config_differences(old: Any, new: Any, prefix: str = "") -> list[str]:
 def _with_new_defaults(old: dict, spec: RunSpec) -> dict:
     """``old`` (a ``config.json``) with the spec fields added since it was written set to their
     defaults: a field the code gained later, left at its default, changes nothing of the run."""
-    classes = {}  # dotted prefix -> the spec dataclass there
-
-    def walk(cls: type, prefix: str) -> None:
-        classes[prefix] = cls
-        for name, hint in typing.get_type_hints(cls).items():
-            if dataclasses.is_dataclass(hint):
-                walk(hint, f"{prefix}.{name}" if prefix else name)
-
-    walk(type(spec), "")
-    filled = json.loads(json.dumps(old))
-    for prefix, cls in classes.items():
-        node = filled
-        for part in filter(None, prefix.split(".")):
-            node = node.get(part) if isinstance(node, dict) else None
-        if not isinstance(node, dict):
-            continue
+    def fill(cls: type, node: dict) -> None:
+        hints = typing.get_type_hints(cls)
         for f in dataclasses.fields(cls):
-            if f.name not in node and f.default is not dataclasses.MISSING:
+            if dataclasses.is_dataclass(hints[f.name]):
+                if isinstance(node.get(f.name), dict):
+                    fill(hints[f.name], node[f.name])
+            elif f.name not in node and f.default is not dataclasses.MISSING:
                 node[f.name] = json.loads(json.dumps(f.default))
+
+    filled = json.loads(json.dumps(old))
+    fill(type(spec), filled)
     return filled
 
 
@@ -100,9 +92,8 @@ def check_workdir(spec: RunSpec) -> None:
     if diffs:
         shown = "; ".join(diffs[:8]) + (f"; and {len(diffs) - 8} more" if len(diffs) > 8 else "")
         raise ConfigError(f"--config.workdir={spec.workdir}: holds a run ({', '.join(state)}) started with another "
-                          f"config ({shown}). "
-                         f"Continuing it would mix the two; pass a new --config.workdir, or move {spec.workdir} away "
-                         f"to start over")
+                          f"config ({shown}). Continuing it would mix the two; pass a new --config.workdir, or "
+                          f"move {spec.workdir} away to start over")
 
 
 def write_config(spec: RunSpec) -> None:

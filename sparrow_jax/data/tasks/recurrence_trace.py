@@ -238,4 +238,5 @@ def score(completion: str, example: dict[str, Any]) -> float:
     return prefix / total
 
 
-__all__ = ["NAME", "TERMINAL", "lookup_key", "entry_tokens", "read_keys", "distractor_keys", "is_lookup", "trace_lines", "generate", "correct_prefix", "score"]
+__all__ = ["NAME", "TERMINAL", "lookup_key", "entry_tokens", "read_keys", "distractor_keys", "is_lookup",
+           "trace_lines", "generate", "correct_prefix", "score"]
