@@ -42,6 +42,8 @@ def warmup_key(config: Qwen3Config, knobs: dict[str, Any], settings: WarmupSetti
     for name in ("lookup_every", "lookup_weight"):  # likewise at the task's look-up rate and no look-up weight
         if not train[name]:
             del train[name]
+    if not train["refine_sparse_weight"]:  # likewise without the refine phase's sparse loss
+        del train["refine_sparse_weight"], train["refine_sparse_topk"]
     for phase in ("refine", "preamble"):  # likewise without a refine or preamble phase
         if not train[f"{phase}_steps"]:
             for name in ("steps", "lr", "batch_size"):
@@ -77,9 +79,14 @@ def is_complete(path: str) -> bool:
 
 
 def read_warmup_meta(path: str) -> dict[str, Any]:
-    """The ``sparrow_warmup.json`` of a warm-up directory."""
+    """The ``sparrow_warmup.json`` of a warm-up directory. Training settings added to
+    :class:`WarmupSettings` since it was written read as their defaults: it was trained without
+    them, and :func:`warmup_key` leaves them out at their defaults."""
     with open(os.path.join(path, META_FILE)) as f:
-        return json.load(f)
+        meta = json.load(f)
+    if "train" in meta:
+        meta["train"] = {**json.loads(json.dumps(dataclasses.asdict(WarmupSettings()))), **meta["train"]}
+    return meta
 
 
 def find_warmup(key: str, path: str, use_shipped: bool, progress: bool) -> str | None:

@@ -44,7 +44,8 @@ def continued_warmup(knobs: dict[str, Any], settings: WarmupSettings
     if settings.preamble_steps:
         raise ValueError(f"model.warmup.preamble_steps={settings.preamble_steps} needs task.preamble_tokens > 0")
     if settings.refine_steps:
-        return "refine", knobs, dataclasses.replace(settings, refine_steps=0)
+        return "refine", knobs, dataclasses.replace(settings, refine_steps=0, refine_sparse_topk=0,
+                                                    refine_sparse_weight=0.0)
     return None
 
 

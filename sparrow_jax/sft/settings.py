@@ -66,6 +66,15 @@ class WarmupSettings:
       and long_trace's reference NLL was still falling fast there (0.57 -> 0.10 in its last 75
       steps); 300 refine steps at 1e-3 took it to 0.005 and the greedy reward at 104 hops from
       0.04 to 0.72.
+    refine_sparse_topk, refine_sparse_weight: the refine phase's loss adds ``refine_sparse_weight`` x
+      the reference NLL of the sparse actor's teacher-forced pass (every layer sparse, pages of 16,
+      the first page and the last two always kept, centroid selection, ``refine_sparse_topk``
+      selected pages: the sampler's default layout); 0 weight: none. Why: a tiny model trained
+      densely reads its line numbers through diffuse attention over the whole trace (its dense
+      outputs there are confident, the sparse actor's are not: p5 of the acceptance rate ~0 past
+      position 1000 at 32 pages, docs/results.md), where a pretrained LLM's chain of thought keeps
+      its mass on a few pages; training both passes on the same rows teaches the local reading
+      that the method assumes, and RL then trains the dense policy as usual.
     preamble_steps, preamble_lr, preamble_batch_size: for a task with ``preamble_tokens`` (required
       there, else 0): the warm-up of the same task without the preamble (all the settings above;
       found shipped, cached or trained by its own key), then a run of its own like the refine one
@@ -96,6 +105,8 @@ class WarmupSettings:
     refine_steps: int = 0
     refine_lr: float = 1e-3
     refine_batch_size: int = 4
+    refine_sparse_topk: int = 0
+    refine_sparse_weight: float = 0.0
     preamble_steps: int = 0
     preamble_lr: float = 1e-3
     preamble_batch_size: int = 4
@@ -113,6 +124,11 @@ class WarmupSettings:
         if int(self.refine_steps) < 0 or int(self.refine_batch_size) <= 0:
             raise ValueError(f"warmup refine_steps must be >= 0 and refine_batch_size positive, got "
                              f"{self.refine_steps} and {self.refine_batch_size}")
+        if int(self.refine_sparse_topk) < 0 or not self.refine_sparse_weight >= 0.0 or \
+                (self.refine_sparse_weight > 0.0 and not (self.refine_steps and self.refine_sparse_topk)):
+            raise ValueError(f"warmup refine_sparse_weight > 0 needs refine_steps > 0 and refine_sparse_topk > 0 (both "
+                             f">= 0), got weight {self.refine_sparse_weight}, top-k {self.refine_sparse_topk}, "
+                             f"refine_steps {self.refine_steps}")
         if int(self.max_train_hops) < 0 or int(self.final_batch_size) <= 0:
             raise ValueError(f"warmup max_train_hops must be >= 0 and final_batch_size positive, got "
                              f"{self.max_train_hops} and {self.final_batch_size}")

@@ -18,10 +18,11 @@ import numpy as np
 import optax
 
 from sparrow_jax.models.config import Qwen3Config
-from sparrow_jax.models.forward import dense_hidden, unembedding
+from sparrow_jax.models.forward import dense_hidden, sparse_hidden, unembedding
 from sparrow_jax.models.qwen3 import Params, init_params
 from sparrow_jax.models.scoring import token_logprobs
 from sparrow_jax.models.tokenizer import BuiltinTokenizer
+from sparrow_jax.rollout.schedule import SparsitySchedule
 from sparrow_jax.sft.batches import final_batch, train_context, train_hops, training_batch, training_length
 from sparrow_jax.sft.curriculum import final_phase_start, make_optimizer, phase_steps_lr, stage_settings
 from sparrow_jax.sft.examples import sequence_length
@@ -30,12 +31,15 @@ from sparrow_jax.sft.settings import WarmupSettings
 
 def sft_loss(config: Qwen3Config, params: Params, tokens: jax.Array, mask: jax.Array,
              prompt_mask: jax.Array | None = None, prompt_weight: float = 0.0, lookup_weight: float = 0.0,
-             lookup_after: int = -1) -> tuple[jax.Array, jax.Array]:
+             lookup_after: int = -1, sparse: SparsitySchedule | None = None,
+             sparse_weight: float = 0.0) -> tuple[jax.Array, jax.Array]:
     """(loss, reference NLL). tokens int32 [B, L]; mask, prompt_mask bool [B, L].
 
     reference NLL = mean NLL over ``mask`` tokens; loss = it + ``prompt_weight`` x the mean
     NLL over ``prompt_mask`` tokens + ``lookup_weight`` x the mean NLL over the reference tokens
-    right after a ``lookup_after`` token (the looked-up constants).
+    right after a ``lookup_after`` token (the looked-up constants) + ``sparse_weight`` x the
+    reference NLL of the sparse actor's teacher-forced pass under ``sparse`` (its prompt, the
+    tokens before the first ``mask`` token, prefilled densely as the sampler does).
     """
     # One query chunk covering the row: no padded queries (training rows are short).
     hidden = dense_hidden(config, params, tokens, chunk=tokens.shape[1])
@@ -51,18 +55,34 @@ def sft_loss(config: Qwen3Config, params: Params, tokens: jax.Array, mask: jax.A
     if lookup_weight != 0.0:
         after = jnp.pad(tokens[:, :-1] == lookup_after, ((0, 0), (1, 0)))  # [B, L]: the previous token is it
         loss = loss + lookup_weight * mean_nll(mask & after)
+    if sparse is not None and sparse_weight != 0.0:
+        prompt_lens = jnp.argmax(mask, axis=1).astype(jnp.int32)
+        h_sparse = sparse_hidden(config, params, tokens, sparse, prompt_lens=prompt_lens)
+        logp_sparse, _ = token_logprobs(h_sparse, unembedding(config, params), tokens, seq_chunk=128)
+        m = mask.astype(jnp.float32)
+        loss = loss + sparse_weight * -jnp.sum(logp_sparse * m) / jnp.maximum(jnp.sum(m), 1.0)
     return loss, ref
 
 
+def warmup_sparse_layout(config: Qwen3Config, topk: int) -> SparsitySchedule:
+    """The sparse actor of the refine phase's sparse loss: every layer sparse, ``topk`` selected
+    pages everywhere, the sampler's default pages (16 tokens; first page and last two kept)."""
+    return SparsitySchedule(topk=(int(topk),), bin_width=config.max_position_embeddings, dense_layers=(),
+                            name=f"warmup-topk{int(topk)}")
+
+
 def make_train_step(config: Qwen3Config, optimizer: optax.GradientTransformation, prompt_weight: float = 0.0,
-                    lookup_weight: float = 0.0):
+                    lookup_weight: float = 0.0, sparse_topk: int = 0, sparse_weight: float = 0.0):
     """One jitted step ``(params, opt_state, tokens, mask, prompt_mask) -> (params, opt_state, ref_nll)``
-    (``lookup_weight``: extra weight of the tokens after ``=``, see :func:`sft_loss`)."""
+    (``lookup_weight``: extra weight of the tokens after ``=``; ``sparse_weight`` > 0: the sparse
+    actor's NLL at ``sparse_topk`` pages, see :func:`sft_loss`)."""
     eq = BuiltinTokenizer().encode("=")[0]
+    sparse = warmup_sparse_layout(config, sparse_topk) if sparse_weight else None
 
     def step(params, opt_state, tokens, mask, prompt_mask):
         (_, ref), grads = jax.value_and_grad(
-            lambda p: sft_loss(config, p, tokens, mask, prompt_mask, prompt_weight, lookup_weight, eq),
+            lambda p: sft_loss(config, p, tokens, mask, prompt_mask, prompt_weight, lookup_weight, eq, sparse,
+                               sparse_weight),
             has_aux=True)(params)
         updates, opt_state = optimizer.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, ref
@@ -141,7 +161,9 @@ def continued_phase(config: Qwen3Config, knobs: dict[str, Any], settings: Warmup
         print(f"[warmup] {phase}: {n_steps} x {rows.final_batch_size} task rows of {final_len} tokens (peak lr "
               f"{lr:g}) on {where}", flush=True)
     optimizer = make_optimizer(settings, phase)
-    train_step = make_train_step(config, optimizer, settings.prompt_weight, settings.lookup_weight)
+    sparse = dict(sparse_topk=settings.refine_sparse_topk, sparse_weight=settings.refine_sparse_weight) \
+        if phase == "refine" else {}
+    train_step = make_train_step(config, optimizer, settings.prompt_weight, settings.lookup_weight, **sparse)
     opt_state = optimizer.init(params)
     first = base_settings.steps + base_settings.refine_steps  # rows past the base's
     for step in range(first, first + n_steps):
