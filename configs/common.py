@@ -57,6 +57,8 @@ def warmup_config() -> ConfigDict:
         refine_steps=0,  # steps of a warm restart on the task's own rows after the main phase (0: none)
         refine_lr=1e-3,  # peak learning rate of the refine run
         refine_batch_size=4,  # rows per refine step
+        refine_sparse_topk=0,  # pages of the sparse actor whose NLL the refine's loss adds (every layer sparse)
+        refine_sparse_weight=0.0,  # weight of that sparse NLL term (0: none)
         preamble_steps=0,  # steps of a run on rows with task.preamble_tokens after the warm-up without (0: none)
         preamble_lr=1e-3,  # peak learning rate of the preamble run
         preamble_batch_size=4,  # rows per preamble step
