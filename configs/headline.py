@@ -19,10 +19,11 @@ final schedule measured after its first seed) and ``headline.png``.
 
 The RL settings below (32 rollouts a step, 30 steps, validation every 6 on 16 held-out prompts x 4
 samples, 64 training prompts so the sampled reward's first and last 8-step windows hold the same
-prompts) do not learn yet: no setting tried (learning rates 2e-5 to 3e-4, token-mean or
-seq-mean-token-mean, GRPO or Dr. GRPO advantages, groups of 4 or 8) raised the dense held-out
-reward in 12-30 steps; the policy's entropy rises instead (docs/results.md). The study is not
-yet readable.
+prompts) do not learn yet: no setting tried (learning rates 1e-5 to 3e-4, token-mean or
+seq-mean-token-mean, GRPO or Dr. GRPO advantages, groups of 4 or 8, 32-128 rollouts a step,
+12-60 steps, temperature 1 or 0.7) raised the dense held-out reward; from 5e-5 up one Adam step
+costs the sampled rows more likelihood than their advantages move (docs/results.md). The study
+is not yet readable.
 
 The warm-up below ships (sparrow_jax/sft/checkpoints/headline; ``--noshipped`` retrains it, ~40
 min on 2 cores): a 2200-step dense curriculum, then a 300-step refine on the task's rows whose loss
@@ -66,7 +67,7 @@ def get_config():
     c.calibration.validate_prompts = 32
     c.rollout.prompts_per_step = 8
     c.rollout.group_size = 4
-    c.train.learning_rate = 5e-5  # between long_trace's 3e-5 (a sharp warm-up) and the default 1e-4
+    c.train.learning_rate = 1e-5  # from 5e-5 up, a step lowers every sampled row's likelihood (docs/results.md)
     c.steps = 30
     c.eval_every = 6  # validations at steps 0, 6, ..., 30: six points of the dense curve
     c.eval_k = 4

@@ -44,9 +44,9 @@ def sft_loss(config: Qwen3Config, params: Params, tokens: jax.Array, mask: jax.A
     # One query chunk covering the row: no padded queries (training rows are short).
     hidden = dense_hidden(config, params, tokens, chunk=tokens.shape[1])
     logp, _ = token_logprobs(hidden, unembedding(config, params), tokens, seq_chunk=128)
-    def mean_nll(m):
+    def mean_nll(m, lp=logp):
         m = m.astype(jnp.float32)
-        return -jnp.sum(logp * m) / jnp.maximum(jnp.sum(m), 1.0)
+        return -jnp.sum(lp * m) / jnp.maximum(jnp.sum(m), 1.0)
 
     ref = mean_nll(mask)
     loss = ref
@@ -59,8 +59,7 @@ def sft_loss(config: Qwen3Config, params: Params, tokens: jax.Array, mask: jax.A
         prompt_lens = jnp.argmax(mask, axis=1).astype(jnp.int32)
         h_sparse = sparse_hidden(config, params, tokens, sparse, prompt_lens=prompt_lens)
         logp_sparse, _ = token_logprobs(h_sparse, unembedding(config, params), tokens, seq_chunk=128)
-        m = mask.astype(jnp.float32)
-        loss = loss + sparse_weight * -jnp.sum(logp_sparse * m) / jnp.maximum(jnp.sum(m), 1.0)
+        loss = loss + sparse_weight * mean_nll(mask, logp_sparse)
     return loss, ref
 
 
