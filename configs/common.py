@@ -59,6 +59,10 @@ def warmup_config() -> ConfigDict:
         refine_batch_size=4,  # rows per refine step
         refine_sparse_topk=0,  # pages of the sparse actor whose NLL the refine's loss adds (every layer sparse)
         refine_sparse_weight=0.0,  # weight of that sparse NLL term (0: none)
+        slip_steps=0,  # recurrence_trace: steps of a run on rows whose look-ups slip to a neighbouring key (0: none)
+        slip_lr=3e-4,  # peak learning rate of the slip run
+        slip_batch_size=4,  # rows per slip step
+        slip_prob=0.0,  # probability that a look-up of those rows reads a neighbouring key (> 0 with slip_steps)
         preamble_steps=0,  # steps of a run on rows with task.preamble_tokens after the warm-up without (0: none)
         preamble_lr=1e-3,  # peak learning rate of the preamble run
         preamble_batch_size=4,  # rows per preamble step

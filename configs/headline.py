@@ -57,7 +57,10 @@ def get_config():
         # then a refine run on the task's rows whose loss adds the sparse actor's (every layer sparse,
         # 8 selected pages): the dense warm-up reads its line numbers through attention spread over the
         # whole trace (p5 ~0 past position 1000 at 32 pages, docs/results.md)
-        refine_steps=300, refine_lr=5e-4, refine_batch_size=4, refine_sparse_topk=8, refine_sparse_weight=1.0))
+        refine_steps=300, refine_lr=5e-4, refine_batch_size=4, refine_sparse_topk=8, refine_sparse_weight=1.0,
+        # off: a last run on rows whose look-ups slip to a neighbouring key (slip_prob of them), a flaw
+        # for RL to remove; at 0.2 RL learns slowly, at 0.4 not in 20 steps (docs/results.md)
+        slip_steps=0, slip_lr=3e-4, slip_batch_size=4, slip_prob=0.0))
     c.schedule.bin_width = 256  # by position: the first bin holds the prompt and generated positions 0-165
     c.rollout.max_new_tokens = 1354  # the longest reference trace (1440-token rows): only a missed terminal is cut
     c.schedule.selector = "centroid"  # the selector the warm-up's sparse loss trained with

@@ -27,12 +27,13 @@ TINY_ARCH = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, num
                  max_position_embeddings=1024)
 
 
-def _spec(min_lines=0, far_every=0, **warmup):
+def _spec(min_lines=0, far_every=0, key_letters=0, **warmup):
     cfg = base_config()
     cfg.model.tiny = ConfigDict(dict(TINY_ARCH))
     if warmup:
         cfg.model.warmup = ConfigDict(warmup)
-    cfg.task.name, cfg.task.context_tokens = "recurrence_trace", 512
+    cfg.task.name, cfg.task.context_tokens = "recurrence_trace", (96 if key_letters == 1 else 512)
+    cfg.task.key_letters = key_letters
     cfg.task.min_lines, cfg.task.far_every = min_lines, far_every
     return parse_spec(cfg)
 
@@ -123,14 +124,91 @@ def test_curriculum_and_final_rows_fit_their_lengths():
 
 
 def test_a_tiny_recurrence_warmup_trains_and_reports_by_trace_length(tmp_path):
+    """A tiny warm-up with a slip phase: the main phase is its base (its own cache entry), the slip
+    run continues it, and the meta reports both."""
     spec = _spec(min_lines=12, steps=3, batch_size=2, min_context=16, max_train_context=32, queries_per_example=1,
-                 curriculum=((3, 32, 12, 2),), eval_lengths=(512,), eval_hops=(12,), eval_prompts=2)
+                 curriculum=((3, 32, 12, 2),), eval_lengths=(96,), eval_hops=(12,), eval_prompts=2,
+                 slip_steps=2, slip_batch_size=2, slip_prob=0.3, key_letters=1)
     path = warmup_model(spec.model, spec.task, cache_dir=str(tmp_path), progress=False)
     meta = read_warmup_meta(path)
-    assert meta["task"] == dict(name="recurrence_trace", context_tokens=512, min_lines=12, far_every=10,
-                                gap_tokens=0)
-    assert set(meta["accuracy_by_hops"]) == {"12"} and set(meta["accuracy_by_length"]) == {"512"}
+    assert meta["task"] == dict(name="recurrence_trace", context_tokens=96, min_lines=12, far_every=10,
+                                gap_tokens=0, key_letters=1)
+    assert set(meta["accuracy_by_hops"]) == {"12"} and set(meta["accuracy_by_length"]) == {"96"}
     assert 0.0 <= meta["accuracy_by_hops"]["12"]["reward"] <= 1.0 and os.path.isfile(os.path.join(path, "config.json"))
+    base = read_warmup_meta(str(tmp_path / f"warmup-{meta['base_key']}"))
+    assert meta["train"]["slip_steps"] == 2 and base["train"]["slip_steps"] == 0 and meta["slip_seconds"] > 0
+    assert meta["train_seconds"] > base["train_seconds"]
+
+
+def _replay_slips(prompt: str, reference: str, key_letters: int, far_every: int = 10) -> int:
+    """Look-ups of ``reference`` that read a neighbouring key; asserts every line follows from the
+    trace's own earlier lines and that only the last line reads the terminal."""
+    table, start = rt.parse_prompt(prompt)
+    lines, values, slips = reference.split("\n"), list(start), 0
+    assert lines[:2] == [f"00:{start[0]}", f"01:{start[1]}"]
+    for i, line in enumerate(lines[2:], start=2):
+        tag = f"{i % 100:02d}:"
+        if not rt.is_lookup(i, far_every):
+            values.append((values[-1] + values[-2]) % 10)
+            assert line == f"{tag}{values[-1]}"
+            continue
+        rule = rt.lookup_key(values[-1], values[-2], key_letters, i)
+        key, constant = line[3:].split("=")
+        assert line.startswith(tag) and constant == table[key]
+        assert key in (rule, rt.neighbour_key(rule, 1, key_letters), rt.neighbour_key(rule, -1, key_letters))
+        slips += key != rule
+        if constant == rt.TERMINAL:
+            assert i == len(lines) - 1 and key == rule  # the terminal is read, never slipped into
+            return slips
+        values.append(int(constant))
+    raise AssertionError("the trace does not end at a terminal look-up")
+
+
+def test_slipped_references_follow_their_own_lines():
+    """The slip phase's rows: each look-up reads the rule's key or a neighbour (slip 0.3 -> some
+    do, about that share), the trace goes on from what it read and ends at the terminal, every row
+    fits the task's padded length; slip 0 is the task's own reference."""
+    spec, key_letters = _spec(min_lines=40), 1
+    knobs = dict(task_knobs(spec.task), key_letters=1, context_tokens=96)
+    settings, tok = dataclasses.replace(warmup_settings(spec.model), final_batch_size=6), BuiltinTokenizer()
+    tokens, ref_mask, _ = final_batch(knobs, settings, 5, tok, sequence_length(knobs), slip=0.3)
+    clean = final_batch(knobs, settings, 5, tok, sequence_length(knobs))
+    slips = lookups = 0
+    for b in range(6):
+        first = int(np.argmax(ref_mask[b]))
+        prompt, ref_ids = tok.decode(tokens[b][:first]), tokens[b][ref_mask[b]]
+        assert ref_ids[-1] == tok.eos_id and prompt == tok.decode(clean[0][b][:first])  # same prompts
+        reference = tok.decode(ref_ids[:-1])
+        slips += _replay_slips(prompt, reference, key_letters)
+        lookups += reference.count("=")
+        clean_ref = tok.decode(clean[0][b][clean[1][b]][:-1])
+        assert _replay_slips(prompt, clean_ref, key_letters) == 0
+    assert 0.15 <= slips / lookups <= 0.4, (slips, lookups)
+    with pytest.raises(ValueError, match="not a recurrence_trace prompt"):
+        rt.parse_prompt("no table here")
+
+
+def test_slip_settings_are_checked_and_enter_the_key_only_when_set():
+    from sparrow_jax.sft.cache import warmup_key
+    from sparrow_jax.sft.curriculum import continued_warmup
+    from sparrow_jax.sft.settings import WarmupSettings, warmup_architecture
+
+    for bad in (dict(slip_steps=5), dict(slip_prob=0.2), dict(slip_steps=5, slip_prob=1.0),
+                dict(slip_steps=-1), dict(slip_steps=5, slip_prob=0.2, slip_lr=0.0)):
+        with pytest.raises(ValueError, match="warmup slip_steps"):
+            WarmupSettings(**bad)
+    config, knobs = warmup_architecture(_spec().model), task_knobs(_spec().task)
+    plain, refine = WarmupSettings(), WarmupSettings(refine_steps=5)
+    assert warmup_key(config, knobs, plain) == warmup_key(config, knobs, dataclasses.replace(plain, slip_lr=1e-2))
+    slipped = dataclasses.replace(refine, slip_steps=7, slip_prob=0.2)
+    knobs_1 = dict(knobs, key_letters=1)
+    phase, base_knobs, base = continued_warmup(knobs_1, slipped)
+    assert (phase, base_knobs, base) == ("slip", knobs_1, refine) and continued_warmup(knobs_1, base)[0] == "refine"
+    assert warmup_key(config, knobs, slipped) != warmup_key(config, knobs, refine)
+    with pytest.raises(ValueError, match="slips recurrence_trace's one-letter"):
+        continued_warmup(dict(knobs, name="pointer_trace", key_letters=1), slipped)
+    with pytest.raises(ValueError, match="slips recurrence_trace's one-letter"):
+        continued_warmup(knobs, slipped)  # two-letter keys
 
 
 def test_the_configs_curriculum_rows_do_not_depend_on_the_rl_length():

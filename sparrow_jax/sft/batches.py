@@ -120,13 +120,16 @@ def training_batch(knobs: dict[str, Any], settings: WarmupSettings, step: int, t
 
 
 def final_batch(knobs: dict[str, Any], settings: WarmupSettings, step: int, tokenizer,
-                seq_len: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+                seq_len: int, slip: float = 0.0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Batch ``step`` of the final phase: ``final_batch_size`` fresh examples exactly as the task
-    poses them (its context and hops), laid out as :func:`make_batch`."""
+    poses them (its context and hops), laid out as :func:`make_batch`; ``slip`` > 0: recurrence_trace
+    references that slip look-up keys (:func:`recurrence_rows.slip_reference`)."""
     rng = np.random.default_rng([settings.seed, TRAIN_STREAM, step])
     if knobs["name"] == recurrence_rows.NAME:
-        return make_batch(recurrence_rows.task_rows(knobs, settings.final_batch_size, rng), knobs["name"],
+        return make_batch(recurrence_rows.task_rows(knobs, settings.final_batch_size, rng, slip), knobs["name"],
                           tokenizer, seq_len)
+    if slip:
+        raise ValueError(f"slipped references are recurrence_trace's; task {knobs['name']!r} has none")
     seeds = rng.integers(0, 2 ** 31 - 1, size=settings.final_batch_size)
     examples = [generate_examples(knobs, 1, int(seed))[0] for seed in seeds]
     return make_batch(examples, knobs["name"], tokenizer, seq_len)

@@ -44,9 +44,9 @@ def warmup_key(config: Qwen3Config, knobs: dict[str, Any], settings: WarmupSetti
             del train[name]
     if not train["refine_sparse_weight"]:  # likewise without the refine phase's sparse loss
         del train["refine_sparse_weight"], train["refine_sparse_topk"]
-    for phase in ("refine", "preamble"):  # likewise without a refine or preamble phase
+    for phase in ("refine", "slip", "preamble"):  # likewise without a refine, slip or preamble phase
         if not train[f"{phase}_steps"]:
-            for name in ("steps", "lr", "batch_size"):
+            for name in ("steps", "lr", "batch_size") + (("prob",) if phase == "slip" else ()):
                 del train[f"{phase}_{name}"]
     blob = json.dumps(dict(format=FORMAT, arch=dataclasses.asdict(config), task=knobs, train=train), sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]

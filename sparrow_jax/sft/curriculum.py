@@ -34,7 +34,8 @@ def final_phase_start(settings: WarmupSettings) -> int:
 def continued_warmup(knobs: dict[str, Any], settings: WarmupSettings
                      ) -> tuple[str, dict[str, Any], WarmupSettings] | None:
     """(phase, task knobs, settings) of the warm-up the last phase continues, None from scratch:
-    ``preamble`` continues the same task without its preamble, ``refine`` the main phase."""
+    ``preamble`` continues the same task without its preamble, ``slip`` the same settings without
+    the slip phase (the refine's or main phase's result), ``refine`` the main phase."""
     if knobs.get("preamble_tokens"):
         if not settings.preamble_steps:
             raise ValueError(f"task.preamble_tokens={knobs['preamble_tokens']} needs model.warmup.preamble_steps > 0: "
@@ -43,6 +44,12 @@ def continued_warmup(knobs: dict[str, Any], settings: WarmupSettings
             dataclasses.replace(settings, preamble_steps=0)
     if settings.preamble_steps:
         raise ValueError(f"model.warmup.preamble_steps={settings.preamble_steps} needs task.preamble_tokens > 0")
+    if settings.slip_steps:
+        if knobs["name"] != "recurrence_trace" or knobs.get("key_letters") != 1:
+            # two-letter keys: a slipped trace seldom meets the terminal key within a row's bound
+            raise ValueError(f"model.warmup.slip_steps={settings.slip_steps} slips recurrence_trace's one-letter "
+                             f"look-up keys (task.key_letters=1); task {knobs['name']!r} with knobs {knobs} has none")
+        return "slip", knobs, dataclasses.replace(settings, slip_steps=0, slip_prob=0.0)
     if settings.refine_steps:
         return "refine", knobs, dataclasses.replace(settings, refine_steps=0, refine_sparse_topk=0,
                                                     refine_sparse_weight=0.0)
@@ -50,14 +57,14 @@ def continued_warmup(knobs: dict[str, Any], settings: WarmupSettings
 
 
 def phase_steps_lr(settings: WarmupSettings, phase: str) -> tuple[int, float]:
-    """(steps, peak learning rate) of the ``main``, ``refine`` or ``preamble`` phase."""
+    """(steps, peak learning rate) of the ``main``, ``refine``, ``slip`` or ``preamble`` phase."""
     return {"main": (settings.steps, settings.lr), "refine": (settings.refine_steps, settings.refine_lr),
-            "preamble": (settings.preamble_steps, settings.preamble_lr)}[phase]
+            "slip": (settings.slip_steps, settings.slip_lr), "preamble": (settings.preamble_steps, settings.preamble_lr)}[phase]
 
 
 def make_optimizer(settings: WarmupSettings, phase: str = "main") -> optax.GradientTransformation:
     """AdamW with linear warm-up then cosine decay to 10% of the peak; global-norm clipping.
-    ``phase``: ``main``, or the ``refine`` / ``preamble`` phase's own run (its steps and peak)."""
+    ``phase``: ``main``, or the ``refine`` / ``slip`` / ``preamble`` phase's own run (its steps and peak)."""
     steps, lr = phase_steps_lr(settings, phase)
     warm = max(1, int(settings.warmup_frac * steps))
     sched = optax.warmup_cosine_decay_schedule(0.0, lr, warm, max(steps, warm + 1), end_value=0.1 * lr)

@@ -121,7 +121,29 @@ def stage_rows(knobs: dict[str, Any], n: int, rng: np.random.Generator, min_tabl
     return draw_rows(knobs, n, rng, (min(int(min_table), hi_table), hi_table), (max(2, hi // 2), hi))
 
 
-def task_rows(knobs: dict[str, Any], n: int, rng: np.random.Generator) -> list[dict[str, Any]]:
-    """``n`` rows exactly as the task poses them (its table and ``min_lines``; long traces redrawn)."""
+def task_rows(knobs: dict[str, Any], n: int, rng: np.random.Generator, slip: float = 0.0) -> list[dict[str, Any]]:
+    """``n`` rows exactly as the task poses them (its table and ``min_lines``; long traces redrawn);
+    ``slip`` > 0: their references slip look-up keys (:func:`slip_reference`)."""
     full = table_tokens(knobs)
-    return draw_rows(knobs, n, rng, (full, full), (knobs["min_lines"], knobs["min_lines"]))
+    rows = draw_rows(knobs, n, rng, (full, full), (knobs["min_lines"], knobs["min_lines"]))
+    return [slip_reference(knobs, row, slip, rng) for row in rows] if slip > 0.0 else rows
+
+
+SLIP_TRIES = 64
+
+
+def slip_reference(knobs: dict[str, Any], example: dict[str, Any], slip: float,
+                   rng: np.random.Generator) -> dict[str, Any]:
+    """``example`` with a reference whose look-ups each read a neighbouring key with probability
+    ``slip`` (``recurrence_trace.trace_lines``), redrawn until the trace ends within
+    :func:`max_lines` of the task's ``min_lines`` (the row's padded length); the clean reference
+    after ``SLIP_TRIES`` draws. Why: a warm-up that copies these rows keeps a share of its
+    probability on the neighbouring key at every look-up, a flaw its own samples expose and RL can
+    remove (the clean warm-up's errors need skills RL barely moves, docs/results.md)."""
+    table, start = rt.parse_prompt(example["prompt"])
+    f, limit = knobs["far_every"], max_lines(knobs, knobs["min_lines"])
+    for _ in range(SLIP_TRIES):
+        lines = rt.trace_lines(table, start, f, knobs["min_lines"], limit, _key_letters(knobs), slip=slip, rng=rng)
+        if lines is not None:
+            return dict(example, reference="\n".join(lines))
+    return example

@@ -75,6 +75,14 @@ class WarmupSettings:
       position 1000 at 32 pages, docs/results.md), where a pretrained LLM's chain of thought keeps
       its mass on a few pages; training both passes on the same rows teaches the local reading
       that the method assumes, and RL then trains the dense policy as usual.
+    slip_steps, slip_lr, slip_batch_size, slip_prob: recurrence_trace only: after the refine phase
+      (or the main one), a run of its own like the refine one (its sparse loss included) on task rows
+      whose references read a neighbouring key at each look-up with probability ``slip_prob``
+      (the trace then goes on consistently from what it read); 0 steps: none. Why: the clean
+      warm-up's sampled errors are look-up keys one letter off, which its 3 layers cannot compute
+      more reliably, and RL barely moves them (docs/results.md); a warm-up that keeps
+      ``slip_prob`` of its mass on the neighbouring key has a flaw its own samples expose, so the
+      dense policy has room to learn, as a pretrained model's pass@k exceeds its pass@1.
     preamble_steps, preamble_lr, preamble_batch_size: for a task with ``preamble_tokens`` (required
       there, else 0): the warm-up of the same task without the preamble (all the settings above;
       found shipped, cached or trained by its own key), then a run of its own like the refine one
@@ -107,6 +115,10 @@ class WarmupSettings:
     refine_batch_size: int = 4
     refine_sparse_topk: int = 0
     refine_sparse_weight: float = 0.0
+    slip_steps: int = 0
+    slip_lr: float = 3e-4
+    slip_batch_size: int = 4
+    slip_prob: float = 0.0
     preamble_steps: int = 0
     preamble_lr: float = 1e-3
     preamble_batch_size: int = 4
@@ -129,6 +141,11 @@ class WarmupSettings:
             raise ValueError(f"warmup refine_sparse_weight > 0 needs refine_steps > 0 and refine_sparse_topk > 0 (both "
                              f">= 0), got weight {self.refine_sparse_weight}, top-k {self.refine_sparse_topk}, "
                              f"refine_steps {self.refine_steps}")
+        if int(self.slip_steps) < 0 or int(self.slip_batch_size) <= 0 or not self.slip_lr > 0 or \
+                not 0.0 <= self.slip_prob < 1.0 or (self.slip_steps > 0) != (self.slip_prob > 0.0):
+            raise ValueError(f"warmup slip_steps must be >= 0, slip_batch_size and slip_lr positive, and slip_prob in "
+                             f"[0, 1), > 0 exactly when slip_steps > 0; got steps {self.slip_steps}, batch size "
+                             f"{self.slip_batch_size}, lr {self.slip_lr}, prob {self.slip_prob}")
         if int(self.max_train_hops) < 0 or int(self.final_batch_size) <= 0:
             raise ValueError(f"warmup max_train_hops must be >= 0 and final_batch_size positive, got "
                              f"{self.max_train_hops} and {self.final_batch_size}")

@@ -150,7 +150,7 @@ def main_phase(config: Qwen3Config, knobs: dict[str, Any], settings: WarmupSetti
 def continued_phase(config: Qwen3Config, knobs: dict[str, Any], settings: WarmupSettings, phase: str,
                     base_settings: WarmupSettings, params: Params, log: LossLog, progress: bool,
                     where: str) -> Params:
-    """The ``refine`` or ``preamble`` run (fresh optimiser state, its own steps and peak) on the
+    """The ``refine``, ``slip`` or ``preamble`` run (fresh optimiser state, its own steps and peak) on the
     task's rows, on top of ``params`` of the warm-up trained with ``base_settings``; its rows are
     drawn past the base's steps. ``where``: the base and target directories, for the progress line."""
     tok, final_len = BuiltinTokenizer(), sequence_length(knobs)
@@ -160,13 +160,15 @@ def continued_phase(config: Qwen3Config, knobs: dict[str, Any], settings: Warmup
         print(f"[warmup] {phase}: {n_steps} x {rows.final_batch_size} task rows of {final_len} tokens (peak lr "
               f"{lr:g}) on {where}", flush=True)
     optimizer = make_optimizer(settings, phase)
+    # the slip run keeps the refine's sparse loss: the sparse actor stays trained on the rows it samples
     sparse = dict(sparse_topk=settings.refine_sparse_topk, sparse_weight=settings.refine_sparse_weight) \
-        if phase == "refine" else {}
+        if phase in ("refine", "slip") else {}
     train_step = make_train_step(config, optimizer, settings.prompt_weight, settings.lookup_weight, **sparse)
     opt_state = optimizer.init(params)
-    first = base_settings.steps + base_settings.refine_steps  # rows past the base's
+    first = base_settings.steps + base_settings.refine_steps + base_settings.slip_steps  # rows past the base's
+    slip = settings.slip_prob if phase == "slip" else 0.0
     for step in range(first, first + n_steps):
-        batch = final_batch(knobs, rows, step, tok, final_len)
+        batch = final_batch(knobs, rows, step, tok, final_len, slip=slip)
         params, opt_state, loss = _train_on(train_step, params, opt_state, batch)
         log(step, loss, step == first + n_steps - 1)
     return params

@@ -68,7 +68,8 @@ def warmup_model(model: ModelSpec, task: TaskSpec, cache_dir: str | None = None,
     A complete cached (or shipped) directory is returned at once, without training or evaluating.
     With ``refine_steps > 0`` the main phase is a warm-up of its own (the same settings with
     ``refine_steps=0``), found shipped or cached or trained first, and the refine run continues it;
-    the meta file names it (``base_key``) and counts its seconds in ``train_seconds``.
+    the meta file names it (``base_key``) and counts its seconds in ``train_seconds``. A slip phase
+    (``slip_steps > 0``) likewise continues the warm-up of the same settings without it.
     """
     config = warmup_architecture(model)
     knobs = task_knobs(task)
@@ -86,7 +87,8 @@ def _warmup(config: Qwen3Config, knobs: dict[str, Any], settings: WarmupSettings
             evals: dict[str, Any], progress: bool, use_shipped: bool) -> str:
     """:func:`warmup_model` on resolved settings. With a refine phase, the main phase is its own
     warm-up (settings with ``refine_steps=0``: its own key, shipped, cached or trained here) and
-    only the refine steps are trained on top of it."""
+    only the refine steps are trained on top of it; a slip or preamble phase continues its own base
+    the same way (:func:`curriculum.continued_warmup`)."""
     key = warmup_key(config, knobs, settings)
     path = os.path.join(cache_dir, f"warmup-{key}")
     found = find_warmup(key, path, use_shipped, progress)

@@ -102,11 +102,25 @@ def is_lookup(index: int, far_every: int) -> bool:
     return index >= 2 and (index % 100) % far_every == 0
 
 
+def neighbour_key(key: str, step: int, key_letters: int = 2) -> str:
+    """The key ``step`` (+-1) places from ``key``: the next or previous letter of ``a..t``
+    (``key_letters=1``), or of the second letter's digit (``key_letters=2``)."""
+    if key_letters == 1:
+        return ONE_LETTER_KEYS[(ONE_LETTER_KEYS.index(key) + step) % len(ONE_LETTER_KEYS)]
+    return key[0] + DIGIT_LETTERS[(DIGIT_LETTERS.index(key[1]) + step) % 10]
+
+
 def trace_lines(table: dict[str, str], start: tuple[int, int], far_every: int, min_lines: int,
-                max_lines: int, key_letters: int = 2) -> list[str] | None:
+                max_lines: int, key_letters: int = 2, slip: float = 0.0,
+                rng: np.random.Generator | None = None) -> list[str] | None:
     """The reference lines for ``table`` and ``start``: local lines, look-up lines, and the
     terminal look-up as the last line; None when no terminal look-up happens by ``max_lines``.
-    (The table's terminal key must not be looked up before ``min_lines``: see :func:`generate`.)"""
+    (The table's terminal key must not be looked up before ``min_lines``: see :func:`generate`.)
+
+    ``slip`` > 0 (with ``rng``): each non-terminal look-up reads a neighbouring key
+    (:func:`neighbour_key`, +-1 at random) with this probability, unless that key holds the
+    terminal, and the trace goes on from the constant it read, so the trace stays consistent with
+    its own lines and may end earlier or later (a warm-up's deliberately imperfect rows)."""
     values = [start[0], start[1]]
     lines = [f"00:{start[0]}", f"01:{start[1]}"]
     for i in range(2, max_lines):
@@ -116,6 +130,9 @@ def trace_lines(table: dict[str, str], start: tuple[int, int], far_every: int, m
             lines.append(f"{tag}{values[-1]}")
             continue
         key = lookup_key(values[-1], values[-2], key_letters, i)
+        if slip > 0.0 and table[key] != TERMINAL and rng.random() < slip:
+            other = neighbour_key(key, int(rng.choice((-1, 1))), key_letters)
+            key = other if table.get(other, TERMINAL) != TERMINAL else key
         constant = table[key]
         lines.append(f"{tag}{key}={constant}")
         if constant == TERMINAL:
@@ -213,6 +230,18 @@ def generate(n: int, seed: int, context_tokens: int = 512, min_lines: "int | tup
     return out
 
 
+def parse_prompt(prompt: str) -> tuple[dict[str, str], tuple[int, int]]:
+    """(table, start digits) of a prompt :func:`generate` wrote (table entries ``key=c;`` on its
+    first line, then ``start XY``); a ValueError names what is missing."""
+    records, _, rest = prompt.partition("\n")
+    entries = [item.split("=") for item in records.split(";") if item]
+    cut = rest.rfind("start ")
+    if not entries or any(len(e) != 2 for e in entries) or cut < 0 or not rest[cut + 6:cut + 8].isdigit():
+        raise ValueError(f"recurrence_trace.parse_prompt: not a recurrence_trace prompt (a table line of key=c; "
+                         f"entries, then 'start XY'): {prompt[:80]!r}...")
+    return dict(entries), (int(rest[cut + 6]), int(rest[cut + 7]))
+
+
 def correct_prefix(completion: str, reference: str,
                    eos_markers: Sequence[str] = DEFAULT_EOS_MARKERS) -> tuple[int, int]:
     """(lines of ``completion`` equal to the reference's before the first difference, lines in
@@ -238,5 +267,5 @@ def score(completion: str, example: dict[str, Any]) -> float:
     return prefix / total
 
 
-__all__ = ["NAME", "TERMINAL", "lookup_key", "entry_tokens", "read_keys", "distractor_keys", "is_lookup",
-           "trace_lines", "generate", "correct_prefix", "score"]
+__all__ = ["NAME", "TERMINAL", "lookup_key", "neighbour_key", "entry_tokens", "read_keys", "distractor_keys",
+           "is_lookup", "trace_lines", "generate", "parse_prompt", "correct_prefix", "score"]
