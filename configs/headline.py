@@ -19,11 +19,14 @@ final schedule measured after its first seed) and ``headline.png``.
 
 The RL settings below (32 rollouts a step, 30 steps, validation every 6 on 16 held-out prompts x 4
 samples, 64 training prompts so the sampled reward's first and last 8-step windows hold the same
-prompts) do not learn yet: no setting tried (learning rates 1e-5 to 3e-4, token-mean or
-seq-mean-token-mean, GRPO or Dr. GRPO advantages, groups of 4 or 8, 32-128 rollouts a step,
-12-60 steps, temperature 1 or 0.7) raised the dense held-out reward; from 5e-5 up one Adam step
-costs the sampled rows more likelihood than their advantages move (docs/results.md). The study
-is not yet readable.
+prompts) do not learn yet from the shipped warm-up: no setting tried (learning rates 1e-5 to
+3e-4, token-mean or seq-mean-token-mean, GRPO or Dr. GRPO advantages, groups of 4 or 8, 32-128
+rollouts a step, 12-60 steps, temperature 1 or 0.7) raised the dense held-out reward; from 5e-5 up one Adam step
+costs the sampled rows more likelihood than their advantages move (docs/results.md), and the
+gradients of separate 32-rollout batches share no direction (``python -m
+experiments.probe_rl_signal --config configs/headline.py``). A warm-up with a planted flaw
+(``--config.model.warmup.slip_steps=150 --config.model.warmup.slip_prob=0.2``) lets the dense policy
+gain ~0.03-0.04 in 60 steps, short of the study's 0.10. The study is not yet readable.
 
 The warm-up below ships (sparrow_jax/sft/checkpoints/headline; ``--noshipped`` retrains it, ~40
 min on 2 cores): a 2200-step dense curriculum, then a 300-step refine on the task's rows whose loss

@@ -227,8 +227,9 @@ def test_warmup_curriculum_stages_set_rows_contexts_and_hops():
                          num_key_value_heads=1, head_dim=16, intermediate_size=64, max_position_embeddings=1024)
     plain = dataclasses.replace(settings, curriculum=())
     assert warmup_key(config, knobs, settings) != warmup_key(config, knobs, plain)
-    legacy = {k: v for k, v in dataclasses.asdict(plain).items()  # nor do the refine and preamble fields, unused
-              if k not in ("curriculum", "lookup_every", "lookup_weight") and not k.startswith(("refine_", "preamble_"))}
+    legacy = {k: v for k, v in dataclasses.asdict(plain).items()  # nor do the refine, slip and preamble fields, unused
+              if k not in ("curriculum", "lookup_every", "lookup_weight")
+              and not k.startswith(("refine_", "slip_", "preamble_"))}
     blob = json.dumps(dict(format=FORMAT, arch=dataclasses.asdict(config), task=knobs, train=legacy), sort_keys=True)
     assert warmup_key(config, knobs, plain) == hashlib.sha256(blob.encode()).hexdigest()[:16]
     with pytest.raises(ValueError, match="add up to 7, but the phase before the final one has 8"):

@@ -59,7 +59,8 @@ def continued_warmup(knobs: dict[str, Any], settings: WarmupSettings
 def phase_steps_lr(settings: WarmupSettings, phase: str) -> tuple[int, float]:
     """(steps, peak learning rate) of the ``main``, ``refine``, ``slip`` or ``preamble`` phase."""
     return {"main": (settings.steps, settings.lr), "refine": (settings.refine_steps, settings.refine_lr),
-            "slip": (settings.slip_steps, settings.slip_lr), "preamble": (settings.preamble_steps, settings.preamble_lr)}[phase]
+            "slip": (settings.slip_steps, settings.slip_lr),
+            "preamble": (settings.preamble_steps, settings.preamble_lr)}[phase]
 
 
 def make_optimizer(settings: WarmupSettings, phase: str = "main") -> optax.GradientTransformation:
