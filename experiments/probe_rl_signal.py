@@ -124,18 +124,17 @@ def first_error_kinds(completion: str, reference: str) -> tuple[str, Optional[in
 
 def error_breakdown(ctx, samples) -> dict:
     """Counts of :func:`first_error_kinds` over the batches' samples (recurrence_trace)."""
-    from sparrow_jax.data.tasks.pointer_chase import DEFAULT_EOS_MARKERS
+    from sparrow_jax.data.rewards import before_eos
+    from sparrow_jax.data.tasks.recurrence_trace import ONE_LETTER_KEYS
 
     kinds, offsets = Counter(), Counter()
     for batch, examples, group in samples:
         for b in range(len(batch.tokens)):
-            completion = ctx.tokenizer.decode(batch.tokens[b][batch.mask[b] > 0].tolist())
-            for marker in DEFAULT_EOS_MARKERS:
-                completion = completion.split(marker)[0]
+            completion = before_eos(ctx.tokenizer.decode(batch.tokens[b][batch.mask[b] > 0].tolist()))
             kind, off = first_error_kinds(completion, examples[b // group]["reference"])
             kinds[kind] += 1
             if off is not None:
-                offsets[min(off, 20 - off)] += 1  # letters off, either way
+                offsets[min(off, len(ONE_LETTER_KEYS) - off)] += 1  # letters off, either way
     return {"first_error": dict(kinds), "key_letters_off": {str(k): v for k, v in sorted(offsets.items())}}
 
 
@@ -145,14 +144,14 @@ def probe(spec, batches: int, step_sizes: Sequence[float], eval_rows: int) -> di
     ctx = build_run_context(spec, schedule=None)  # dense rollouts: the dense arm's signal
     grads, rewards, samples = batch_gradients(spec, ctx, batches)
     cosines = leave_one_out_cosines(grads)
-    start = flat(ctx.params)
-    direction = grads.mean(axis=0) / np.linalg.norm(grads.mean(axis=0))
+    start, mean_grad = flat(ctx.params), grads.mean(axis=0)
+    direction = mean_grad / np.linalg.norm(mean_grad)
     rows = ctx.eval_rows[:eval_rows]
     along = {str(s): reference_logprobs(ctx, unflat(start - s * direction, ctx.params), rows)
              for s in [0.0] + list(step_sizes)}
     out = {"batches": batches, "rows_per_batch": spec.rollout.prompts_per_step * spec.rollout.group_size,
            "reward_per_batch": rewards, "grad_norms": [float(np.linalg.norm(g)) for g in grads],
-           "loo_cosines": cosines, "mean_grad_norm": float(np.linalg.norm(grads.mean(axis=0))),
+           "loo_cosines": cosines, "mean_grad_norm": float(np.linalg.norm(mean_grad)),
            "reference_logp_along_mean_grad": along}
     if ctx.task.name == "recurrence_trace":
         out.update(error_breakdown(ctx, samples))
