@@ -28,7 +28,7 @@ setup(
     description="Sparse-rollout RL for long-context LLMs (Sparrow) in JAX: CPU, GPU, TPU.",
     python_requires=">=3.11",
     packages=find_packages(include=["sparrow_jax*", "pallas_kernels*", "configs*", "experiments*"]),
-    package_data={"sparrow_jax": ["rollout/presets/*.json", "attention/cpu_kernel/*.cc",
+    package_data={"sparrow_jax": ["rollout/presets/*.json", "attention/cpu_kernel/*.cc", "attention/cpu_kernel/*.h",
                                   "sft/checkpoints/*/*.json", "sft/checkpoints/*/*.safetensors"]},
     install_requires=CORE,
     extras_require={

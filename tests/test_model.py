@@ -138,3 +138,24 @@ def test_presets_match_published_configs():
     # Qwen3-0.6B has ~0.6B parameters (tied embeddings), Qwen3-8B ~8.2B.
     assert 0.55e9 < Qwen3Config.preset("Qwen3-0.6B").num_params() < 0.65e9
     assert 8.0e9 < Qwen3Config.preset("Qwen3-8B").num_params() < 8.4e9
+
+
+@pytest.mark.parametrize("dtype, tol", [(jnp.float32, 1e-5), (jnp.bfloat16, 2e-2)])
+def test_swiglu_cpu_backward_matches_autodiff(dtype, tol):
+    """The MLP's hand-written CPU backward against jax's autodiff of the same forward: values equal
+    bit for bit, gradients within f32 summation order (bf16: its rounding), relative to each
+    gradient's largest entry."""
+    from sparrow_jax.models.swiglu import swiglu, swiglu_reference
+
+    r = np.random.RandomState(0)
+    x, wg, wu, wd, w = (jnp.asarray(r.randn(*s) * c, dtype) for s, c in
+                        [((3, 37, 16), 1.0), ((16, 24), 0.3), ((16, 24), 0.3), ((24, 16), 0.3), ((3, 37, 16), 1.0)])
+    loss = lambda f: lambda *a: jnp.sum((f(*a) * w).astype(jnp.float32))
+    np.testing.assert_array_equal(np.asarray(swiglu(x, wg, wu, wd), np.float32),
+                                  np.asarray(swiglu_reference(x, wg, wu, wd), np.float32))
+    got = jax.grad(loss(swiglu), argnums=(0, 1, 2, 3))(x, wg, wu, wd)
+    ref = jax.grad(loss(swiglu_reference), argnums=(0, 1, 2, 3))(x, wg, wu, wd)
+    for g, e in zip(got, ref):
+        assert g.dtype == e.dtype and g.shape == e.shape
+        e32 = np.asarray(e, np.float32)
+        assert np.max(np.abs(np.asarray(g, np.float32) - e32)) <= tol * np.max(np.abs(e32))

@@ -1,6 +1,7 @@
-"""The whole-sequence attention entry: every fast path against the XLA reference (values and
-gradients, f32, max abs diff <= 1e-5) on ragged lengths, GQA, per-query page sets and dense
-prompt prefixes; the per-backend dispatch; bad input. CPU, tiny shapes."""
+"""The whole-sequence attention entry: every fast path (blockwise XLA, the C++ CPU kernel)
+against the XLA reference (values and gradients, f32, max abs diff <= 1e-5) on ragged lengths,
+GQA, per-query page sets, queries reading no key and dense prompt prefixes; the per-backend
+dispatch; bad input. CPU, tiny shapes."""
 from __future__ import annotations
 
 import functools
@@ -12,6 +13,7 @@ import pytest
 
 from sparrow_jax.attention import whole_sequence
 from sparrow_jax.attention.blockwise import _Pages, _plan, blockwise_attention, default_block
+from sparrow_jax.attention.flash_cpu import flash_attention_cpu
 from sparrow_jax.attention.whole_sequence import resolve_causal_impl, whole_sequence_attention
 from sparrow_jax.models.config import tiny_config
 from sparrow_jax.models.forward import sparse_hidden
@@ -97,7 +99,7 @@ def test_default_block_is_a_multiple_of_the_page():
 
 
 @pytest.mark.parametrize("selector", ["centroid", "quest"])
-def test_sparse_hidden_blockwise_matches_reference_with_grads(selector):
+def test_sparse_hidden_fast_paths_match_reference_with_grads(selector):
     """The sparse scorer end to end (per-query page selection, dense prompt prefix, a dense layer):
     hidden states and parameter gradients of the fast path equal the reference's. Parameter
     gradients sum over every token (entries up to ~1e2), so their bound is relative to each
@@ -114,17 +116,76 @@ def test_sparse_hidden_blockwise_matches_reference_with_grads(selector):
                                     chunk=8)
         return f(params), jax.grad(lambda p: jnp.sum(f(p) * w))(params)
 
-    (h_ref, g_ref), (h_got, g_got) = jax.jit(lambda: run("reference"))(), jax.jit(lambda: run("blockwise"))()
-    assert float(jnp.max(jnp.abs(h_ref - h_got))) <= TOL
-    for ref, got in zip(jax.tree.leaves(g_ref), jax.tree.leaves(g_got)):
-        assert float(jnp.max(jnp.abs(ref - got))) <= TOL * max(1.0, float(jnp.max(jnp.abs(ref))))
+    h_ref, g_ref = jax.jit(lambda: run("reference"))()
+    for impl in ("blockwise", "cpu"):
+        h_got, g_got = jax.jit(lambda: run(impl))()
+        assert float(jnp.max(jnp.abs(h_ref - h_got))) <= TOL
+        for ref, got in zip(jax.tree.leaves(g_ref), jax.tree.leaves(g_got)):
+            assert float(jnp.max(jnp.abs(ref - got))) <= TOL * max(1.0, float(jnp.max(jnp.abs(ref))))
 
 
-def test_auto_on_cpu_is_blockwise():
+def test_auto_on_cpu_is_the_cpu_kernel(monkeypatch):
     q, k, v, _ = _inputs(6)
-    assert resolve_causal_impl("auto", dtype=jnp.float32, head_dim=8, seq_len=45, paged=False) == "blockwise"
+    resolve = functools.partial(resolve_causal_impl, dtype=jnp.float32, seq_len=45, platform="cpu")
+    assert resolve("auto", head_dim=8, paged=False) == "cpu"
+    assert resolve("auto", head_dim=8, paged=True, page_size=16) == "cpu"
+    assert resolve("auto", head_dim=12, paged=False) == "blockwise"  # not whole 8-float vectors
+    assert resolve("auto", head_dim=8, paged=True, page_size=48) == "blockwise"  # pages across its tiles
     np.testing.assert_array_equal(np.asarray(whole_sequence_attention(q, k, v)),
-                                  np.asarray(blockwise_attention(q, k, v, block=128)))
+                                  np.asarray(flash_attention_cpu(q, k, v)))
+    monkeypatch.setattr(whole_sequence, "flash_cpu_supports", lambda head_dim: False)  # kernel not built
+    assert resolve("auto", head_dim=8, paged=False) == "blockwise"
+
+
+@pytest.mark.parametrize("b, t, hkv, g, d", [(2, 45, 2, 2, 8), (3, 64, 1, 4, 16), (1, 130, 2, 1, 40)])
+def test_cpu_kernel_dense_matches_reference(b, t, hkv, g, d):  # ragged, one exact tile, three tiles (GQA, MHA)
+    q, k, v, w = _inputs(9, b=b, t=t, hkv=hkv, g=g, d=d)
+    ref = jax.jit(lambda *a: _value_and_grads(functools.partial(whole_sequence_attention, impl="reference",
+                                                                chunk=32), *a))(q, k, v, w)
+    got = jax.jit(lambda *a: _value_and_grads(functools.partial(whole_sequence_attention, impl="cpu"), *a))(
+        q, k, v, w)
+    assert max(_max_diffs(ref, got)) <= TOL
+
+
+@pytest.mark.parametrize("sparse_union, page", [(False, 4), (True, 4), (False, 16)])
+def test_cpu_kernel_paged_matches_reference(sparse_union, page):
+    b, t, hkv = 2, 150, 2
+    q, k, v, w = _inputs(10, b=b, t=t, hkv=hkv)
+    idx, valid = _random_selection(11, b, hkv, t, page, 5, sparse_union)
+    valid = valid.at[1, 0, 70:74].set(False)  # queries that read no key: output 0, no gradient
+    dense_before = jnp.array([70, 0], jnp.int32)  # row 0: a dense prompt prefix across tiles; row 1: none
+    kw = dict(page_idx=idx, page_valid=valid, page_size=page, dense_before=dense_before)
+    ref = jax.jit(lambda *a: _value_and_grads(functools.partial(whole_sequence_attention, impl="reference",
+                                                                chunk=32, **kw), *a))(q, k, v, w)
+    got = jax.jit(lambda *a: _value_and_grads(functools.partial(whole_sequence_attention, impl="cpu", **kw), *a))(
+        q, k, v, w)
+    assert max(_max_diffs(ref, got)) <= TOL
+    assert float(jnp.max(jnp.abs(got[0][1, 70:74, :2]))) == 0.0
+    dense = flash_attention_cpu(q, k, v)
+    assert float(jnp.max(jnp.abs(dense - got[0]))) > 1e-2  # the page sets matter
+
+
+def test_cpu_kernel_bf16_inputs_compute_in_float32():
+    q, k, v, _ = (jnp.asarray(x, jnp.bfloat16) for x in _inputs(12, t=70))
+    got = whole_sequence_attention(q, k, v, impl="cpu")
+    ref = whole_sequence_attention(*(x.astype(jnp.float32) for x in (q, k, v)), impl="reference")
+    assert got.dtype == jnp.bfloat16
+    assert float(jnp.max(jnp.abs(got.astype(jnp.float32) - ref))) <= 1e-2  # one bf16 rounding of the output
+
+
+def test_cpu_kernel_rejects_what_it_cannot_take():
+    q, k, v, _ = _inputs(13)
+    with pytest.raises(ValueError, match="head_dim a multiple of 8"):
+        flash_attention_cpu(q[..., :6], k[..., :6], v[..., :6])
+    idx, valid = _random_selection(14, 2, 2, 45, 4, 3, False)
+    with pytest.raises(ValueError, match="page_size dividing 64"):
+        flash_attention_cpu(q, k, v, page_idx=idx, page_valid=valid, page_size=48)
+    with pytest.raises(ValueError, match="page_idx and page_valid must both be"):
+        flash_attention_cpu(q, k, v, page_idx=idx[:, :, :40], page_valid=valid[:, :, :40], page_size=4)
+    with pytest.raises(ValueError, match="dense_before needs page_idx"):
+        flash_attention_cpu(q, k, v, dense_before=jnp.zeros((2,), jnp.int32))
+    with pytest.raises(ValueError, match="needs a CPU"):
+        resolve_causal_impl("cpu", dtype=jnp.float32, head_dim=8, seq_len=45, paged=False, platform="gpu")
 
 
 def test_dispatch_per_backend(monkeypatch):

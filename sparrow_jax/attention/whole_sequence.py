@@ -5,9 +5,12 @@ overridable):
 
 * ``reference``: :func:`sparrow_jax.attention.causal.causal_attention` (chunked XLA, a dense
   pass with a page mask for per-query page sets); every other path is tested against it;
-* ``blockwise``: :mod:`sparrow_jax.attention.blockwise`, flash-style with causal block
-  skipping and a recomputing VJP; the only fast path taking per-query page sets (the sparse
-  scorer), so ``auto`` picks it for them on every backend, and on CPU for everything;
+* ``cpu``: :mod:`sparrow_jax.attention.flash_cpu`, FlashAttention-2 forward and backward as
+  C++ custom calls, dense or with per-query page sets (CPU; head_dim a multiple of 8, pages
+  dividing 64 tokens): ``auto`` on CPU;
+* ``blockwise``: :mod:`sparrow_jax.attention.blockwise`, the same algorithm in XLA (causal
+  block skipping, a recomputing VJP); ``auto`` for per-query page sets on accelerators (the
+  sparse scorer), and on CPU where the C++ kernel is not built;
 * ``cudnn``: ``jax.nn.dot_product_attention(implementation="cudnn")`` (GPU; bf16 / fp16,
   head_dim a multiple of 8 up to 128);
 * ``pallas_tpu``: jax's Pallas TPU flash attention with causal block skipping (sequence a
@@ -24,8 +27,10 @@ import jax.numpy as jnp
 from sparrow_jax.attention.blockwise import blockwise_attention
 from sparrow_jax.attention.causal import causal_attention
 from sparrow_jax.attention.contract import selected_page_mask
+from sparrow_jax.attention.flash_cpu import BLOCK as FLASH_BLOCK
+from sparrow_jax.attention.flash_cpu import flash_attention_cpu, flash_cpu_supports
 
-CAUSAL_IMPLEMENTATIONS = ("auto", "reference", "blockwise", "cudnn", "pallas_tpu")
+CAUSAL_IMPLEMENTATIONS = ("auto", "reference", "blockwise", "cpu", "cudnn", "pallas_tpu")
 
 
 def cudnn_supports(dtype, head_dim: int) -> bool:
@@ -50,14 +55,17 @@ def _pallas_tpu_flash():
 
 
 def resolve_causal_impl(impl: str, *, dtype, head_dim: int, seq_len: int, paged: bool,
-                        platform: Optional[str] = None) -> str:
+                        platform: Optional[str] = None, page_size: int = 16) -> str:
     """``impl`` (maybe ``auto``) -> the implementation that runs on ``platform`` (default: jax's
-    backend) for inputs of this dtype and shape, with (``paged``) or without per-query page sets."""
+    backend) for inputs of this dtype and shape, with (``paged``, pages of ``page_size``) or
+    without per-query page sets."""
     if impl not in CAUSAL_IMPLEMENTATIONS:
         raise ValueError(f"unknown causal attention implementation {impl!r}; expected one of "
                          f"{CAUSAL_IMPLEMENTATIONS}")
     platform = platform or jax.default_backend()
     if impl == "auto":
+        if platform == "cpu" and flash_cpu_supports(head_dim) and (not paged or FLASH_BLOCK % page_size == 0):
+            return "cpu"
         if paged:
             return "blockwise"
         if platform == "gpu" and cudnn_supports(dtype, head_dim):
@@ -68,7 +76,8 @@ def resolve_causal_impl(impl: str, *, dtype, head_dim: int, seq_len: int, paged:
     if impl in ("cudnn", "pallas_tpu"):
         if paged:
             raise ValueError(f"impl={impl!r} takes no per-query page sets; use 'blockwise' or 'reference'")
-        wanted = "gpu" if impl == "cudnn" else "tpu"
+    if impl in ("cpu", "cudnn", "pallas_tpu"):
+        wanted = {"cpu": "cpu", "cudnn": "gpu", "pallas_tpu": "tpu"}[impl]
         if platform != wanted:
             raise ValueError(f"impl={impl!r} needs a {wanted.upper()}; this backend is {platform!r}")
     return impl
@@ -88,13 +97,16 @@ def whole_sequence_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, impl: 
     """
     paged = page_idx is not None
     b, t, h, d = q.shape
-    impl = resolve_causal_impl(impl, dtype=q.dtype, head_dim=d, seq_len=t, paged=paged)
+    impl = resolve_causal_impl(impl, dtype=q.dtype, head_dim=d, seq_len=t, paged=paged, page_size=page_size)
     if impl == "blockwise":
         return blockwise_attention(q, k, v, block=chunk, page_idx=page_idx, page_valid=page_valid,
                                    page_size=page_size, dense_before=dense_before)
     if impl == "reference":
         mask_fn = None if not paged else _page_mask_fn(page_idx, page_valid, page_size, dense_before)
         return causal_attention(q, k, v, chunk=chunk or 256, page_mask_fn=mask_fn, page_size=page_size)
+    if impl == "cpu":
+        return flash_attention_cpu(q, k, v, page_idx=page_idx, page_valid=page_valid, page_size=page_size,
+                                   dense_before=dense_before)
     if impl == "cudnn":
         return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
     flash = _pallas_tpu_flash()  # [B, H, T, D] layout, as many KV heads as query heads

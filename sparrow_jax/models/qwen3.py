@@ -20,6 +20,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from sparrow_jax.models.config import Qwen3Config
+from sparrow_jax.models.swiglu import swiglu
 
 Params = dict[str, Any]
 
@@ -102,7 +103,9 @@ class MLP(nnx.Module):
         self.down_proj = Linear(i, h, config, rngs)
 
     def __call__(self, x):
-        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+        dtype = self.down_proj.dtype
+        weight = lambda linear: linear.kernel[...].astype(dtype)
+        return swiglu(x.astype(dtype), weight(self.gate_proj), weight(self.up_proj), weight(self.down_proj))
 
 
 class DecoderLayer(nnx.Module):

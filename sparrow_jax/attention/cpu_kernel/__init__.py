@@ -1,4 +1,4 @@
-"""Decode attention as XLA:CPU FFI custom calls (C++, built on first use).
+"""Decode attention and whole-sequence flash attention as XLA:CPU FFI custom calls (C++, built on first use).
 
 ``sparse_decode_cpu`` has the contract of
 :func:`sparrow_jax.attention.contract.sparse_decode_reference`, ``dense_decode_cpu`` that of
@@ -6,8 +6,9 @@
 like-for-like dense baseline), ``paged_decode_cpu`` reads a shared page pool through a
 page table (the rollout engine's layout), sparse or dense, and ``paged_sparse_step_cpu`` is
 the engine's sparse decode step in one call (metadata append, group-mean query,
-``score_select_cpu``, then ``paged_decode_cpu`` on a pool). The C++ source
-(``sparse_decode_cpu.cc``) is compiled once per machine with the system C++ compiler
+``score_select_cpu``, then ``paged_decode_cpu`` on a pool). ``flash_attention_cpu.cc`` holds the
+causal whole-sequence attention's forward and backward (wrapped by
+:mod:`sparrow_jax.attention.flash_cpu`). The C++ sources are compiled once per machine with the system C++ compiler
 against the XLA FFI headers shipped in jaxlib, into ``$SPARROW_JAX_CACHE`` (default
 ``~/.cache/sparrow_jax``), keyed by source, jaxlib version, flags and CPU. Without a
 compiler, or if the build fails, :func:`cpu_kernel_available` is False (with one warning)
@@ -39,7 +40,10 @@ DENSE_TARGET = "sparrow_dense_decode_cpu"
 PAGED_TARGET = "sparrow_paged_decode_cpu"
 SCORE_SELECT_TARGET = "sparrow_score_select_cpu"
 PAGED_SPARSE_STEP_TARGET = "sparrow_paged_sparse_step_cpu"
-SOURCE = Path(__file__).with_name("sparse_decode_cpu.cc")
+FLASH_FORWARD_TARGET = "sparrow_flash_forward_cpu"
+FLASH_BACKWARD_TARGET = "sparrow_flash_backward_cpu"
+SOURCES = tuple(Path(__file__).with_name(name) for name in ("sparse_decode_cpu.cc", "flash_attention_cpu.cc"))
+HEADERS = (Path(__file__).with_name("parallel_for.h"),)
 FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp-simd", "-std=c++17", "-shared", "-fPIC")
 
 
@@ -55,7 +59,7 @@ def _library_path(compiler: str) -> Path:
     import jaxlib
 
     key = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), jaxlib.__version__.encode(), " ".join(FLAGS).encode(), compiler.encode(),
+    for part in (*(path.read_bytes() for path in SOURCES + HEADERS), jaxlib.__version__.encode(), " ".join(FLAGS).encode(), compiler.encode(),
                  platform.machine().encode(), _cpu_signature().encode()):
         key.update(part)
     root = Path(os.environ.get("SPARROW_JAX_CACHE", Path.home() / ".cache" / "sparrow_jax"))
@@ -68,7 +72,7 @@ def _build(compiler: str, out: Path) -> None:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
     os.close(fd)
     try:
-        cmd = [compiler, *FLAGS, "-w", f"-I{jax.ffi.include_dir()}", str(SOURCE), "-o", tmp]
+        cmd = [compiler, *FLAGS, "-w", f"-I{jax.ffi.include_dir()}", *map(str, SOURCES), "-o", tmp]
         result = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
         if result.returncode != 0:
             raise RuntimeError(f"{' '.join(cmd)} failed:\n{result.stderr[-4000:]}")
@@ -99,6 +103,10 @@ def cpu_kernel_available() -> bool:
         jax.ffi.register_ffi_target(SCORE_SELECT_TARGET, jax.ffi.pycapsule(library.SparrowScoreSelectCpu),
                                     platform="cpu")
         jax.ffi.register_ffi_target(PAGED_SPARSE_STEP_TARGET, jax.ffi.pycapsule(library.SparrowPagedSparseStepCpu),
+                                    platform="cpu")
+        jax.ffi.register_ffi_target(FLASH_FORWARD_TARGET, jax.ffi.pycapsule(library.SparrowFlashForwardCpu),
+                                    platform="cpu")
+        jax.ffi.register_ffi_target(FLASH_BACKWARD_TARGET, jax.ffi.pycapsule(library.SparrowFlashBackwardCpu),
                                     platform="cpu")
     except Exception as exc:  # any build/load problem: warn once and keep the XLA path
         warnings.warn(f"CPU sparse decode kernel unavailable ({type(exc).__name__}: {str(exc)[:500]}); "
