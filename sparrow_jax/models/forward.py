@@ -16,6 +16,7 @@ import jax.numpy as jnp
 
 from sparrow_jax.attention.cache import PagedKVCache, append_token, init_cache, write_prefill
 from sparrow_jax.attention.causal import causal_attention, causal_attention_prefill
+from sparrow_jax.attention.cpu_kernel import select_pages_cpu
 from sparrow_jax.attention.decode import dense_decode_dispatch, score_select_decode, sparse_decode
 from sparrow_jax.attention.contract import selected_page_mask
 from sparrow_jax.attention.selection import group_mean_query, score_pages, select_pages
@@ -73,16 +74,24 @@ def _check_reserved_last(schedule) -> None:
         raise ValueError("the sparse scorer needs reserved_last >= 1 (the current page is partial)")
 
 
-def _select_chunk(start, q_chunk, metadata, budget_p, k_max: int, schedule):
-    """Queries [B, C, H, D] at positions start.. -> the sampler's selection (idx, valid) [B, Hkv, C, N]."""
+def _select_chunk(start, q_chunk, metadata, budget_p, k_max: int, schedule, cpu_select: bool = False):
+    """Queries [B, C, H, D] at positions start.. -> the sampler's selection (idx, valid) [B, Hkv, C, N].
+    ``cpu_select``: the top-k by the C++ radix select (slot for slot the same as XLA's sort-based top-k)."""
     centroid, kmin, kmax = metadata
-    c, hkv = q_chunk.shape[1], centroid.shape[1]
+    b, c, hkv = q_chunk.shape[0], q_chunk.shape[1], centroid.shape[1]
     qg = group_mean_query(q_chunk, hkv).transpose(0, 2, 1, 3)  # [B, Hkv, C, D]
     scores = score_pages(qg, centroid, kmin, kmax, schedule.selector)
     q_pos = start + jnp.arange(c)
     chunk_budget = jax.lax.dynamic_slice_in_dim(budget_p, start, c, axis=1)
-    return select_pages(scores, q_pos[None, None, :], chunk_budget[:, None, :], k_max, schedule.page_size,
-                        schedule.reserved_first, schedule.reserved_last)
+    reserved = (schedule.reserved_first, schedule.reserved_last)
+    if not cpu_select:
+        return select_pages(scores, q_pos[None, None, :], chunk_budget[:, None, :], k_max, schedule.page_size,
+                            *reserved)
+    per_query = scores.transpose(0, 2, 1, 3).reshape(b * c, hkv, -1)  # each query a decode step's row
+    idx, valid = select_pages_cpu(per_query, jnp.broadcast_to(q_pos, (b, c)).reshape(-1), chunk_budget.reshape(-1),
+                                  k_max, schedule.page_size, *reserved)
+    back = lambda x: x.reshape(b, c, hkv, -1).transpose(0, 2, 1, 3)
+    return back(idx), back(valid)
 
 
 def sparse_page_mask_fn(k: jax.Array, budget: jax.Array, k_max: int, schedule,
@@ -114,10 +123,12 @@ def sparse_page_mask_fn(k: jax.Array, budget: jax.Array, k_max: int, schedule,
 
 
 def sparse_page_selection(q: jax.Array, k: jax.Array, budget: jax.Array, k_max: int, schedule,
-                          block: int = 256) -> tuple[jax.Array, jax.Array]:
+                          block: int = 256, cpu_select: bool = False) -> tuple[jax.Array, jax.Array]:
     """The sampler's page selection for every query, a query block at a time (no gradient).
 
-    q [B, T, H, D], k [B, T, Hkv, D] (post RoPE); budget int32 [B, T].
+    q [B, T, H, D], k [B, T, Hkv, D] (post RoPE); budget int32 [B, T]. ``cpu_select``: top-k
+    by :func:`sparrow_jax.attention.cpu_kernel.select_pages_cpu` (the same slots; XLA:CPU's
+    sort-based top-k was ~10% of the quickstart's train step).
     -> (page_idx int32, page_valid bool) [B, Hkv, T, N], as :func:`select_pages` returns them.
     Same metadata and scores as :func:`sparse_page_mask_fn` (see there why they are exact).
     """
@@ -130,7 +141,7 @@ def sparse_page_selection(q: jax.Array, k: jax.Array, budget: jax.Array, k_max: 
     budget_p = jnp.pad(budget, ((0, 0), (0, n * block - t)))
     q_blocks = jnp.pad(q, ((0, 0), (0, n * block - t), (0, 0), (0, 0))).reshape(b, n, block, h, d).swapaxes(0, 1)
     starts = jnp.arange(n, dtype=jnp.int32) * block
-    idx, valid = jax.lax.map(lambda a: _select_chunk(a[0], a[1], metadata, budget_p, k_max, schedule),
+    idx, valid = jax.lax.map(lambda a: _select_chunk(a[0], a[1], metadata, budget_p, k_max, schedule, cpu_select),
                              (starts, q_blocks))  # [n, B, Hkv, C, N]
     merge = lambda x: jnp.moveaxis(x, 0, 2).reshape(*x.shape[1:3], n * block, x.shape[-1])[:, :, :t]
     return merge(idx), merge(valid)
@@ -161,10 +172,12 @@ def sparse_hidden(config: Qwen3Config, params: Params, tokens: jax.Array, schedu
     def attention(layer, q, k, v):
         if layer in dense_layers:
             return whole_sequence_attention(q, k, v, impl=impl, chunk=chunk)
-        if resolve_causal_impl(impl, dtype=q.dtype, head_dim=q.shape[-1], seq_len=t, paged=True) == "reference":
+        resolved = resolve_causal_impl(impl, dtype=q.dtype, head_dim=q.shape[-1], seq_len=t, paged=True,
+                                       page_size=schedule.page_size)
+        if resolved == "reference":
             mask_fn = sparse_page_mask_fn(jax.lax.stop_gradient(k), budget, k_max, schedule, dense_before)
             return causal_attention(q, k, v, chunk=chunk or 256, page_mask_fn=mask_fn, page_size=schedule.page_size)
-        idx, valid = sparse_page_selection(q, k, budget, k_max, schedule)
+        idx, valid = sparse_page_selection(q, k, budget, k_max, schedule, cpu_select=resolved == "cpu")
         return whole_sequence_attention(q, k, v, impl=impl, page_idx=idx, page_valid=valid,
                                         page_size=schedule.page_size, dense_before=dense_before, chunk=chunk)
 
