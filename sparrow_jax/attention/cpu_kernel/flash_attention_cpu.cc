@@ -38,7 +38,9 @@ using sparrow::ParallelFor;
 
 constexpr int64_t kBlock = 64;  // query and key tile, tokens
 constexpr float kMasked = -1e30f;
-constexpr float kEmptyLse = 1e30f;  // a query that reads no key: exp(s - lse) = 0 in the backward
+constexpr float kEmptyLse = 1e30f;
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kLn2 = 0.6931471805599453f;  // a query that reads no key: exp(s - lse) = 0 in the backward
 
 typedef float v8 __attribute__((vector_size(32)));
 typedef float v8u __attribute__((vector_size(32), aligned(4)));  // unaligned loads / stores
@@ -48,25 +50,26 @@ inline v8 Load(const float* p) { return *reinterpret_cast<const v8u*>(p); }
 inline void Store(float* p, v8 x) { *reinterpret_cast<v8u*>(p) = x; }
 inline v8 Splat(float x) { return v8{x, x, x, x, x, x, x, x}; }
 
-// exp(x) for 8 floats (Cephes' expf polynomial, ~1 ulp); x below -87.3 gives exactly 0 (masked
-// scores). Written out because -ffast-math's vectorised expf needs the loop in one shape.
-inline v8 Exp(v8 x) {
-  const v8 lo = Splat(-87.3f);
+// 2^x for 8 floats x <= ~0 (the softmax's scores minus their max or log-sum-exp, in log2 units):
+// 2^round(x) from the exponent bits times a degree-6 Taylor polynomial of 2^f, |f| <= 1/2
+// (relative error ~1e-7). x below -126 gives exactly 0 (masked scores). Written out because
+// -ffast-math's vectorised expf needs the loop in one shape; base 2 saves the range reduction's
+// multiply (log2 e is folded into the query's scale).
+inline v8 Exp2(v8 x) {
+  const v8 lo = Splat(-126.0f);
   const i8 zero = x < lo;  // all ones where the result is 0
   x = x < lo ? lo : x;
-  x = x > Splat(88.3f) ? Splat(88.3f) : x;
-  // n = round(x / ln 2), taken as floor(x / ln 2 + 0.5) from a positive shifted value
-  const i8 n = __builtin_convertvector(x * Splat(1.44269504088896341f) + Splat(128.5f), i8) - 128;
-  const v8 nf = __builtin_convertvector(n, v8);
-  v8 r = x - nf * Splat(0.693359375f);
-  r = r - nf * Splat(-2.12194440e-4f);
-  v8 p = Splat(1.9875691500e-4f);
-  p = p * r + Splat(1.3981999507e-3f);
-  p = p * r + Splat(8.3334519073e-3f);
-  p = p * r + Splat(4.1665795894e-2f);
-  p = p * r + Splat(1.6666665459e-1f);
-  p = p * r + Splat(5.0000001201e-1f);
-  p = p * r * r + r + Splat(1.0f);
+  // n = round(x), taken as floor(x + 0.5) from a positive shifted value (exact integer arithmetic,
+  // which -ffast-math cannot reassociate away)
+  const i8 n = __builtin_convertvector(x + Splat(128.5f), i8) - 128;
+  const v8 f = x - __builtin_convertvector(n, v8);
+  v8 p = Splat(1.5403530393381609e-4f);  // ln2^k / k!, k = 6 .. 0
+  p = p * f + Splat(1.3333558146428443e-3f);
+  p = p * f + Splat(9.6181291076284772e-3f);
+  p = p * f + Splat(5.5504108664821580e-2f);
+  p = p * f + Splat(2.4022650695910071e-1f);
+  p = p * f + Splat(6.9314718055994531e-1f);
+  p = p * f + Splat(1.0f);
   const i8 bits = (n + 127) << 23;
   v8 two_n;
   std::memcpy(&two_n, &bits, sizeof(two_n));
@@ -158,6 +161,11 @@ void ScaledCopy(const float* src, int64_t n, float scale, float* dst) {
   for (int64_t x = 0; x < n; x += 8) Store(dst + x, Load(src + x) * Splat(scale));
 }
 
+// dst [n] += src (n a multiple of 8).
+void AddTo(const float* src, int64_t n, float* dst) {
+  for (int64_t x = 0; x < n; x += 8) Store(dst + x, Load(dst + x) + Load(src + x));
+}
+
 // allowed[(t - begin) * pages + p]: query t of (row, KV head) ``pair`` reads page p, for t in
 // [begin, begin + count); a query below dense_before reads every page.
 void AllowedPages(const Dims& s, const Pages& pg, int64_t pair, int64_t begin, int64_t count, uint8_t* allowed) {
@@ -233,7 +241,7 @@ void ForwardBlock(const Dims& s, const Pages& pg, int64_t pair, const float* q, 
     AllowedPages(s, pg, pair, block * kBlock, kBlock, allowed_buf.data());
     allowed = allowed_buf.data();
   }
-  ScaledCopy(q, rows * dim, scale, qs);
+  ScaledCopy(q, rows * dim, scale * kLog2e, qs);  // scores in log2 units: exp(s) = 2^(s log2 e)
   std::fill(m, m + rows, kMasked);
   std::fill(l, l + rows, 0.0f);
   float* acc = out;  // the block's output rows accumulate in place
@@ -257,11 +265,11 @@ void ForwardBlock(const Dims& s, const Pages& pg, int64_t pair, const float* q, 
       }
       v8 sum = Splat(0.0f);
       for (int64_t c = 0; c < kBlock; c += 8) {
-        const v8 p = Exp(Load(row + c) - Splat(m_new));
+        const v8 p = Exp2(Load(row + c) - Splat(m_new));
         Store(row + c, p);
         sum += p;
       }
-      const float corr = Exp(Splat(m[r] - m_new))[0];
+      const float corr = Exp2(Splat(m[r] - m_new))[0];
       l[r] = l[r] * corr + HorizontalSum(sum);
       m[r] = m_new;
       if (corr != 1.0f)
@@ -276,24 +284,25 @@ void ForwardBlock(const Dims& s, const Pages& pg, int64_t pair, const float* q, 
     }
     const v8 inv = Splat(1.0f / l[r]);
     for (int64_t d = 0; d < dim; d += 8) Store(acc + r * dim + d, Load(acc + r * dim + d) * inv);
-    lse[r] = m[r] + std::log(l[r]);
+    lse[r] = (m[r] + std::log2(l[r])) * kLn2;
   }
 }
 
 // One (row, KV head): FlashAttention-2's backward, key tile outer, so dK / dV of a tile stay
 // in the thread's cache and dQ rows (owned by this pair alone) accumulate in the output.
 // With qs = scale q: S = qs k^T, P = exp(S - lse), dS = P (dP - rowsum(dO O)), dK = dS^T qs,
-// dQ = scale dS k.
+// dQ = scale dS k (computed in log2 units, qs carrying log2 e).
 void BackwardPair(const Dims& s, const Pages& pg, int64_t pair, const float* q, const float* k, const float* v,
                   const float* out, const float* lse, const float* dout, float scale, float* dq, float* dk, float* dv,
                   std::vector<float>& work, std::vector<uint8_t>& allowed_buf) {
   const int64_t rows = s.Rows(), dim = s.dim, all_rows = s.tokens * s.groups, pages = s.tokens / pg.page_size;
-  work.resize(2 * rows * kBlock + 2 * dim * kBlock + rows * dim + all_rows);
+  work.resize(2 * rows * kBlock + 3 * dim * kBlock + rows * dim + all_rows);
   float* p = work.data();
   float* ds = p + rows * kBlock;
   float* kt = ds + rows * kBlock;
   float* vt = kt + dim * kBlock;
-  float* qs = vt + dim * kBlock;
+  float* part = vt + dim * kBlock;  // one query block's share of a dK / dV tile
+  float* qs = part + dim * kBlock;
   float* delta = qs + rows * dim;  // rowsum(dout * out) per query row
   const uint8_t* allowed = nullptr;
   if (pg.Paged()) {
@@ -320,22 +329,27 @@ void BackwardPair(const Dims& s, const Pages& pg, int64_t pair, const float* q, 
       if (block_allowed != nullptr && !TileUsed(block_allowed, pages, pg.page_size, j)) continue;
       const int64_t r0 = i * rows;
       const float* doi = dout + r0 * dim;
-      ScaledCopy(q + r0 * dim, rows * dim, scale, qs);
+      ScaledCopy(q + r0 * dim, rows * dim, scale * kLog2e, qs);
       Product<false>(rows, kBlock, dim, qs, dim, 1, kt, kBlock, p, kBlock);
       MaskTile(p, s.groups, i, j, block_allowed, pages, pg.page_size);
       Product<false>(rows, kBlock, dim, doi, dim, 1, vt, kBlock, ds, kBlock);  // dP = dO V^T
       for (int64_t r = 0; r < rows; ++r) {
-        const v8 row_lse = Splat(lse[r0 + r]), row_delta = Splat(delta[r0 + r]);
+        const v8 row_lse = Splat(lse[r0 + r] * kLog2e), row_delta = Splat(delta[r0 + r]);
         for (int64_t c = 0; c < kBlock; c += 8) {
-          const v8 pr = Exp(Load(p + r * kBlock + c) - row_lse);
+          const v8 pr = Exp2(Load(p + r * kBlock + c) - row_lse);
           Store(p + r * kBlock + c, pr);
           Store(ds + r * kBlock + c, pr * (Load(ds + r * kBlock + c) - row_delta));
         }
       }
-      Product<true>(kBlock, dim, rows, p, 1, kBlock, doi, dim, dvj, dim);            // dV += P^T dO
+      // dK / dV: each query block's share summed on its own, then added (a chain of rows per block,
+      // not of every query: float32 rounding as in a blockwise sum)
+      Product<false>(kBlock, dim, rows, p, 1, kBlock, doi, dim, part, dim);  // dV += P^T dO
+      AddTo(part, kBlock * dim, dvj);
       Product<true>(rows, dim, kBlock, ds, kBlock, 1, kj, dim, dq + r0 * dim, dim);  // dQ += dS K (scale: below)
-      Product<true>(kBlock, dim, rows, ds, 1, kBlock, qs, dim, dkj, dim);            // dK += dS^T qs
+      Product<false>(kBlock, dim, rows, ds, 1, kBlock, qs, dim, part, dim);  // dK += dS^T qs
+      AddTo(part, kBlock * dim, dkj);
     }
+    ScaledCopy(dkj, kBlock * dim, kLn2, dkj);  // qs carried log2 e
   }
   ScaledCopy(dq, all_rows * dim, scale, dq);
 }
