@@ -8,7 +8,7 @@ both sparse, quest pages of 16, random weights) on ``rows x length`` random toke
 ``--tokens_per_step // length``: 16 rows at 1.5K as in the quickstart), prompts the first 56%
 of each row (888 of 1592 in the quickstart), a sparse schedule of ``--topk`` pages. One jitted
 ``train_step`` per side: ``reference`` (``StepOptions.attention_impl="reference"``, the chunked
-XLA attention) and ``fast`` (``auto``: blockwise on CPU, cuDNN on GPU, Pallas on TPU).
+XLA attention) and ``fast`` (``auto``: the C++ flash kernel on CPU, cuDNN on GPU, Pallas on TPU).
 ``--model <Qwen3 preset>``: one decoder layer of that shape in bfloat16, forward + backward of
 ``dense_hidden`` instead (the attention-bound part of the step at long contexts).
 
