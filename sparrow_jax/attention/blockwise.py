@@ -23,7 +23,7 @@ from typing import NamedTuple, Optional
 import jax
 import jax.numpy as jnp
 
-from sparrow_jax.attention.contract import selected_page_mask
+from sparrow_jax.attention.contract import check_whole_sequence_inputs, selected_page_mask
 
 
 class _Pages(NamedTuple):
@@ -56,20 +56,10 @@ def blockwise_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, block: Opti
     """
     b, t, h, d = q.shape
     hkv = k.shape[2]
-    if h % hkv:
-        raise ValueError(f"query heads H={h} must be a multiple of KV heads Hkv={hkv}")
-    if k.shape != (b, t, hkv, d) or v.shape != k.shape:
-        raise ValueError(f"k and v must be [B={b}, T={t}, Hkv, D={d}], got {k.shape} and {v.shape}")
-    paged = page_idx is not None
+    paged = check_whole_sequence_inputs(q, k, v, page_idx, page_valid, dense_before)
     block = block or default_block(page_size if paged else 1)
-    if paged:
-        if page_valid is None or page_idx.shape[:3] != (b, hkv, t) or page_valid.shape != page_idx.shape:
-            raise ValueError(f"page_idx and page_valid must both be [B={b}, Hkv={hkv}, T={t}, N], got "
-                             f"{page_idx.shape} and {None if page_valid is None else page_valid.shape}")
-        if block % page_size:
-            raise ValueError(f"block={block} must be a multiple of page_size={page_size}")
-    elif dense_before is not None:
-        raise ValueError("dense_before needs page_idx / page_valid")
+    if paged and block % page_size:
+        raise ValueError(f"block={block} must be a multiple of page_size={page_size}")
     block = min(block, -(-t // page_size) * page_size if paged else t)
     tp = -(-t // block) * block
     pad = lambda x: jnp.pad(x, [(0, 0), (0, tp - t)] + [(0, 0)] * (x.ndim - 2))

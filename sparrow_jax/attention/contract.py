@@ -38,6 +38,26 @@ def check_decode_inputs(q, k_pages, v_pages, page_idx, page_valid, positions) ->
         raise ValueError(f"positions must be [B={b}], got shape {positions.shape}")
 
 
+def check_whole_sequence_inputs(q, k, v, page_idx, page_valid, dense_before) -> bool:
+    """Shape checks of whole-sequence causal attention (q [B, T, H, D]; k, v [B, T, Hkv, D];
+    optional per-query page sets page_idx / page_valid [B, Hkv, T, N] and dense_before [B]).
+    Raises ValueError naming what is wrong; returns whether page sets are given."""
+    b, t, h, d = q.shape
+    hkv = k.shape[2]
+    if h % hkv:
+        raise ValueError(f"query heads H={h} must be a multiple of KV heads Hkv={hkv}")
+    if k.shape != (b, t, hkv, d) or v.shape != k.shape:
+        raise ValueError(f"k and v must be [B={b}, T={t}, Hkv, D={d}], got {k.shape} and {v.shape}")
+    if page_idx is None:
+        if dense_before is not None:
+            raise ValueError("dense_before needs page_idx / page_valid")
+        return False
+    if page_valid is None or page_idx.shape[:3] != (b, hkv, t) or page_valid.shape != page_idx.shape:
+        raise ValueError(f"page_idx and page_valid must both be [B={b}, Hkv={hkv}, T={t}, N], got "
+                         f"{page_idx.shape} and {None if page_valid is None else page_valid.shape}")
+    return True
+
+
 def selected_page_mask(page_idx: jax.Array, page_valid: jax.Array, num_pages: int) -> jax.Array:
     """[..., N] selection -> [..., P] boolean mask of selected pages (a scatter, no one-hot)."""
     lead = page_idx.shape[:-1]

@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from sparrow_jax.attention.contract import check_whole_sequence_inputs
 from sparrow_jax.attention.cpu_kernel import FLASH_BACKWARD_TARGET, FLASH_FORWARD_TARGET, cpu_kernel_available
 
 BLOCK = 64  # the kernel's query / key tile (kBlock in the C++ source)
@@ -40,21 +41,11 @@ def flash_attention_cpu(q: jax.Array, k: jax.Array, v: jax.Array, *, page_idx: O
     """
     b, t, h, d = q.shape
     hkv = k.shape[2]
-    if h % hkv:
-        raise ValueError(f"query heads H={h} must be a multiple of KV heads Hkv={hkv}")
-    if k.shape != (b, t, hkv, d) or v.shape != k.shape:
-        raise ValueError(f"k and v must be [B={b}, T={t}, Hkv, D={d}], got {k.shape} and {v.shape}")
+    paged = check_whole_sequence_inputs(q, k, v, page_idx, page_valid, dense_before)
     if d % 8:
         raise ValueError(f"flash_attention_cpu needs head_dim a multiple of 8, got {d}")
-    paged = page_idx is not None
-    if paged:
-        if page_valid is None or page_idx.shape[:3] != (b, hkv, t) or page_valid.shape != page_idx.shape:
-            raise ValueError(f"page_idx and page_valid must both be [B={b}, Hkv={hkv}, T={t}, N], got "
-                             f"{page_idx.shape} and {None if page_valid is None else page_valid.shape}")
-        if BLOCK % page_size:
-            raise ValueError(f"flash_attention_cpu needs page_size dividing {BLOCK}, got {page_size}")
-    elif dense_before is not None:
-        raise ValueError("dense_before needs page_idx / page_valid")
+    if paged and BLOCK % page_size:
+        raise ValueError(f"flash_attention_cpu needs page_size dividing {BLOCK}, got {page_size}")
     if not cpu_kernel_available():
         raise RuntimeError("the CPU attention kernel is unavailable (see the warning); use impl='blockwise'")
     tp = -(-t // BLOCK) * BLOCK
