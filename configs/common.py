@@ -190,6 +190,9 @@ def train_config() -> ConfigDict:
         overlong_buffer=0,  # DAPO soft overlong penalty: ramp length before rollout.max_new_tokens (0: off)
         overlong_penalty=1.0,  # DAPO soft overlong penalty at the cap, in reward units
         mask_truncated=False,  # DAPO: completions cut at max_new_tokens (no stop token) leave the loss
+        # tokens after a completion's reward horizon (its first wrong line, on tasks whose reward
+        # ignores what follows: recurrence_trace) leave the policy loss, not the statistics
+        reward_horizon_mask=False,
         dynamic_sampling=False,  # DAPO: drop groups with equal rewards, sample more until the batch is full
         dynamic_sampling_rounds=3,  # extra sampling rounds per step; a batch still short keeps equal-reward groups
         max_nonfinite_steps=3,  # stop after this many steps in a row with a skipped non-finite update (0: never)

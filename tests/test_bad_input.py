@@ -38,6 +38,8 @@ def _cfg(**fields):
     (dict(rollout__top_p=0.9), r"^--config\.rollout\.top_p=0\.9: must be 1 \(the train step scores the untruncated"),
     (dict(rollout__top_k=5), r"^--config\.rollout\.top_k=5: must be 0 \(the train step scores the untruncated"),
     (dict(train__clip_low=1.0), r"^--config\.train\.clip_low=1\.0: must be < 1"),
+    (dict(train__reward_horizon_mask=True, train__dynamic_sampling=True),
+     r"^--config\.train\.reward_horizon_mask=True: does not combine with train\.dynamic_sampling"),
     (dict(rollout__engine="continuous", mesh__data=2), r"^--config\.rollout\.engine='continuous': runs on one device.*"
                                                        r"the mesh has 2"),
     (dict(task__dataset="rows.parquet"),
@@ -64,6 +66,18 @@ def test_inert_or_broken_fields_are_refused_naming_the_field(fields, match):
     with pytest.raises(ConfigError, match=match) as err:
         parse_spec(_cfg(**fields))
     assert "\n" not in str(err.value)
+
+
+def test_a_reward_horizon_mask_needs_a_task_that_defines_one():
+    from types import SimpleNamespace
+
+    from sparrow_jax.data.registry import get_task
+    from sparrow_jax.rl.trainer import make_loop
+
+    spec = parse_spec(_cfg(train__reward_horizon_mask=True))  # grpo_tiny: pointer_chase_partial
+    with pytest.raises(ValueError, match="train.reward_horizon_mask=True: task 'pointer_chase_partial' defines no "
+                                         "reward horizon"):
+        make_loop(spec, SimpleNamespace(schedule=None, task=get_task(spec.task.name)))
 
 
 def test_the_working_variants_parse():

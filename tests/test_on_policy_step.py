@@ -83,3 +83,26 @@ def test_fused_old_log_probs_give_the_separate_pass_step(case, timed):
     assert max(jax.tree.leaves(moved)) > 1e-3  # the step did update the policy
     for a, b in zip(jax.tree.leaves((want[0], want[1])), jax.tree.leaves((got[0], got[1]))):
         np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("separate_old_pass", [False, True])
+def test_loss_mask_narrows_the_loss_not_the_statistics(separate_old_pass):
+    """``Batch.loss_mask`` (completions cut at their reward horizon): the update is the one of a
+    batch whose mask is the loss mask, the mismatch statistics those of the full mask."""
+    opts = dataclasses.replace(BASE, separate_old_pass=separate_old_pass)
+    optimizer = optax.sgd(0.1)
+    params = init_params(CONFIG, seed=1)
+    full = _batch()
+    cut = np.asarray(full.mask).copy()
+    cut[0, 20:], cut[2, 25:] = 0.0, 0.0  # two rows end their loss early
+    run = lambda batch: train_step(init_train_state(jax.tree.map(jnp.copy, params), optimizer), batch,
+                                   config=CONFIG, optimizer=optimizer, schedule=SCHEDULE, opts=opts)
+    both = run(full._replace(loss_mask=jnp.asarray(cut)))
+    loss_only = run(full._replace(mask=jnp.asarray(cut)))
+    stats_only = run(full)
+    for a, b in zip(jax.tree.leaves(both[0].params), jax.tree.leaves(loss_only[0].params)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-7)
+    assert not all(np.allclose(a, b) for a, b in zip(jax.tree.leaves(both[0].params),
+                                                     jax.tree.leaves(stats_only[0].params)))
+    for k in [k for k in both[2] if k.startswith("mismatch/")]:
+        np.testing.assert_allclose(np.asarray(both[2][k]), np.asarray(stats_only[2][k]), rtol=1e-6, err_msg=k)

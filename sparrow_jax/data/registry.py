@@ -22,13 +22,16 @@ if TYPE_CHECKING:
 PromptFn = Callable[[dict, "Tokenizer"], str]      # (example, tokenizer) -> model input text
 RewardFn = Callable[[str, dict], float]            # (completion, example) -> reward
 GenerateFn = Callable[..., list]                   # (n, seed, **knobs) -> list[example]
+HorizonFn = Callable[[str, dict], "int | None"]    # (completion, example) -> characters deciding the reward
 
 
 @dataclasses.dataclass(frozen=True)
 class Task:
     """``format_prompt(example, tokenizer)`` -> the text to encode; ``reward(completion, example)``
     -> float; ``generate(n, seed, **knobs)`` or None for dataset-backed tasks.
-    ``use_reward_pool``: run ``reward`` in a ``RewardPool`` (slow / unbounded verifiers)."""
+    ``use_reward_pool``: run ``reward`` in a ``RewardPool`` (slow / unbounded verifiers).
+    ``reward_horizon(completion, example)`` -> the characters of the completion that decide its
+    reward (None: all), for rewards that ignore what follows a first error; None: not defined."""
 
     name: str
     format_prompt: PromptFn
@@ -36,6 +39,7 @@ class Task:
     generate: GenerateFn | None = None
     use_reward_pool: bool = False
     reward_pool_initializer: Callable[[], None] | None = None
+    reward_horizon: HorizonFn | None = None
 
 
 _TASKS: dict[str, Task] = {}
@@ -43,7 +47,7 @@ _TASKS: dict[str, Task] = {}
 
 def register_task(name: str, format_prompt: PromptFn, reward: RewardFn, generate: GenerateFn | None = None,
                   *, use_reward_pool: bool = False, reward_pool_initializer: Callable[[], None] | None = None,
-                  overwrite: bool = False) -> Task:
+                  reward_horizon: HorizonFn | None = None, overwrite: bool = False) -> Task:
     """Register a task under ``name`` (error if taken, unless ``overwrite``)."""
     if not isinstance(name, str) or not name:
         raise ValueError(f"register_task: name must be a non-empty str, got {name!r}")
@@ -52,7 +56,7 @@ def register_task(name: str, format_prompt: PromptFn, reward: RewardFn, generate
     for field, fn in (("format_prompt", format_prompt), ("reward", reward)):
         if not callable(fn):
             raise TypeError(f"register_task({name!r}): {field} must be callable, got {type(fn).__name__}")
-    task = Task(name, format_prompt, reward, generate, use_reward_pool, reward_pool_initializer)
+    task = Task(name, format_prompt, reward, generate, use_reward_pool, reward_pool_initializer, reward_horizon)
     _TASKS[name] = task
     return task
 
@@ -127,6 +131,7 @@ def pointer_chase_partial_score(completion: str, example: dict) -> float:
 register_task("pointer_chase", pointer_chase_prompt, pointer_chase.score, pointer_chase.generate)
 register_task("pointer_chase_partial", pointer_chase_prompt, pointer_chase_partial_score, pointer_chase.generate)
 register_task("pointer_trace", pointer_chase_prompt, pointer_trace.score, pointer_trace.generate)
-register_task("recurrence_trace", recurrence_trace_prompt, recurrence_trace.score, recurrence_trace.generate)
+register_task("recurrence_trace", recurrence_trace_prompt, recurrence_trace.score, recurrence_trace.generate,
+              reward_horizon=recurrence_trace.reward_horizon)
 register_task("math", math_prompt, rewards.math_reward_fn, None, use_reward_pool=True,
               reward_pool_initializer=rewards.warm_math_verify)

@@ -102,10 +102,17 @@ class TrainState(NamedTuple):
 
 class Batch(NamedTuple):
     tokens: jax.Array  # int32 [B, T]
-    mask: jax.Array  # float32 [B, T] completion tokens
+    mask: jax.Array  # float32 [B, T] completion tokens (the statistics' tokens)
     logp_sampler: jax.Array  # float32 [B, T]
     advantages: jax.Array  # float32 [B]
     prompt_lens: jax.Array  # int32 [B] (the sampler's prompt prefill is dense)
+    loss_mask: Optional[jax.Array] = None  # float32 [B, T] the policy loss's tokens, a subset of mask; None: mask
+
+
+def policy_loss_mask(batch: Batch) -> jax.Array:
+    """The tokens the policy loss sees: ``batch.loss_mask`` where given (completions cut at their
+    reward horizon), else every completion token. Statistics use ``batch.mask`` either way."""
+    return batch.mask if batch.loss_mask is None else batch.loss_mask
 
 
 def make_optimizer(learning_rate: float, max_grad_norm: float = 1.0) -> optax.GradientTransformation:
@@ -269,7 +276,8 @@ def _on_policy_grads(params, batch: Batch, logp_ref, *, config: Qwen3Config, opt
     old policy's pass, accumulated over ``micro_batches`` chunks.
     -> (grads, loss, weighted loss metrics, hidden [B, T, H] or None, ``rollout_corr/`` metrics)"""
     micros = jax.tree.map(lambda x: _split_rows(x, opts.micro_batches),
-                          _OnPolicyRows(batch.tokens, batch.mask, batch.logp_sampler, batch.advantages, logp_ref))
+                          _OnPolicyRows(batch.tokens, policy_loss_mask(batch), batch.logp_sampler, batch.advantages,
+                                        logp_ref))
     # Shares of the denominator from the completion mask: on_policy() rules out ratio masking over
     # several micro-batches, and for one micro-batch the share is 1 whatever the mask.
     weights = _micro_batch_weights(micros.mask, opts.loss_agg, opts.global_rows)
@@ -347,7 +355,7 @@ def _lora_loss(lora, base_params, config: Qwen3Config, lora_cfg: LoraConfig, bat
     weights = None
     if distill.tis_cap > 0:
         weights, _ = tis_weights(logp_sparse_old, batch.logp_sampler, batch.mask, cap=distill.tis_cap)
-    ppo, _ = grpo_loss(logp_sparse, logp_sparse_old, batch.advantages, batch.mask, clip_low=opts.clip_low,
+    ppo, _ = grpo_loss(logp_sparse, logp_sparse_old, batch.advantages, policy_loss_mask(batch), clip_low=opts.clip_low,
                        clip_high=opts.clip_high, is_weights=weights, agg=opts.loss_agg)
 
     m = per_token_mismatch(jax.lax.stop_gradient(hidden_dense), h_sparse, w_dense, w_sparse, batch.tokens,
@@ -382,7 +390,7 @@ def _old_policy(params, batch: Batch, *, config: Qwen3Config, opts: StepOptions,
     then TIS weights and ratio masking. -> (logp_old, hidden or None, weights or None, loss mask, metrics)"""
     logp_old, hidden = _no_grad_logprobs(config, params, batch.tokens, chunks, opts, keep_hidden)
     weights, loss_mask, out = _tis(logp_old, batch.logp_sampler, batch.mask, opts)
-    return logp_old, hidden, weights, loss_mask, out
+    return logp_old, hidden, weights, loss_mask * policy_loss_mask(batch), out
 
 
 def _ref_logprobs(ref_params, tokens, *, config: Qwen3Config, opts: StepOptions, chunks: int):

@@ -123,6 +123,22 @@ def score(ctx: RunContext, completions: list[str], examples: list[dict], pool: O
     return np.asarray([float(ctx.task.reward(c, e)) for c, e in zip(completions, examples)], np.float32)
 
 
+def reward_horizon_mask(ctx: RunContext, rollout, rows: list[dict], width: int) -> np.ndarray:
+    """float32 [B, width]: each row's completion tokens up to its task's reward horizon (the
+    token whose text reaches the horizon included; all of them where the horizon is None).
+    Token boundaries come from decoding each token alone (exact for the built-in tokenizer)."""
+    out = np.zeros((len(rows), width), np.float32)
+    for b, example in enumerate(rows):
+        start, stop = int(rollout.prompt_lens[b]), int(rollout.lengths[b])
+        pieces = [ctx.tokenizer.decode([i]) for i in rollout.tokens[b, start:stop].tolist()]
+        horizon = ctx.task.reward_horizon("".join(pieces), example)
+        keep = stop - start
+        if horizon is not None:
+            keep = min(keep, int(np.searchsorted(np.cumsum([len(p) for p in pieces]), horizon)) + 1)
+        out[b, start:start + keep] = 1.0
+    return out
+
+
 def finite_rewards(rewards: np.ndarray) -> tuple[np.ndarray, float]:
     """Rewards [B] with NaN / inf zeroed (one would poison its group's advantages), and how many were."""
     bad = ~np.isfinite(rewards)
@@ -242,6 +258,9 @@ def step_options(tr: TrainSpec, temperature: float, bin_width: int, max_len: int
 def make_loop(spec: RunSpec, ctx: RunContext) -> Loop:
     """The static half of a run: mesh, optimisers, step options, LoRA settings, reward pool, KL reference."""
     tr, bin_width = spec.train, (ctx.schedule or spec.schedule).bin_width
+    if tr.reward_horizon_mask and ctx.task.reward_horizon is None:
+        raise ValueError(f"train.reward_horizon_mask=True: task {ctx.task.name!r} defines no reward horizon "
+                         "(tasks that do: recurrence_trace)")
     max_len = max(len(ctx.encode(e)) for e in ctx.train_rows[:64]) + spec.rollout.max_new_tokens
     opts = step_options(tr, spec.rollout.temperature, bin_width, max_len)
     mesh = make_mesh(spec.mesh)
@@ -358,9 +377,12 @@ def collect(loop: Loop, state: LoopState, key) -> tuple[Batch, dict, jax.Array]:
     gather = gather_rows if local else np.asarray  # per-row host values of the whole batch
     data = state.data
 
+    rows_of_round = []  # the rows' examples (one round: reward_horizon_mask rules out dynamic sampling)
+
     def sample_round(i: int):  # dynamic sampling draws further rounds of fresh prompts
         nonlocal data
         examples, data = next_examples(loop, state._replace(data=data))
+        rows_of_round.append([e for e in examples[start // g:stop // g] for _ in range(g)])
         before = pool_counts(loop.pool)
         with jax.set_mesh(None) if local else contextlib.nullcontext():  # this process's devices only
             rollout, rewards = sample(loop.ctx, actor, examples[start // g:stop // g],
@@ -378,9 +400,14 @@ def collect(loop: Loop, state: LoopState, key) -> tuple[Batch, dict, jax.Array]:
     adv = np.asarray(group_advantages(jnp.asarray(learned), g, mode=loop.spec.train.adv_mode))
     width = int(gather(np.asarray([rollout.lengths.max()])).max())  # the same padded length everywhere
     tokens, mask, logp = _pad_batch(rollout, width)
-    fields = Batch(tokens, mask_truncated(mask, ~rows_in_loss), logp, adv, rollout.prompt_lens)
+    mask = mask_truncated(mask, ~rows_in_loss)
+    loss_mask = None
+    if loop.spec.train.reward_horizon_mask:
+        loss_mask = mask * reward_horizon_mask(loop.ctx, rollout, rows_of_round[0], mask.shape[1])
+        metrics["actor/reward_horizon_token_share"] = float(loss_mask.sum() / max(mask.sum(), 1.0))
+    fields = Batch(tokens, mask, logp, adv, rollout.prompt_lens, loss_mask)
     if local:
-        batch = Batch(*(rows_to_global(x, loop.mesh, num_rows) for x in fields))
+        batch = Batch(*(None if x is None else rows_to_global(x, loop.mesh, num_rows) for x in fields))
         for k in ("reward/timeouts", "reward/errors", "reward/nonfinite"):
             metrics[k] = float(gather(np.asarray([metrics[k]])).sum())
         metrics.update(response_length_metrics(gather(completion_lens(rollout)), loop.spec.rollout.max_new_tokens))

@@ -141,6 +141,7 @@ class TrainSpec:
     overlong_buffer: int
     overlong_penalty: float
     mask_truncated: bool
+    reward_horizon_mask: bool  # the policy loss ends at each completion's reward horizon
     dynamic_sampling: bool
     dynamic_sampling_rounds: int
     max_nonfinite_steps: int
@@ -443,6 +444,8 @@ def _validate_inert(spec: RunSpec) -> None:
     _require(r.top_k == 0, "rollout.top_k", r.top_k, "must be 0 (the train step scores the untruncated distribution)")
     _require(tr.clip_low < 1, "train.clip_low", tr.clip_low,
              "must be < 1 (the PPO ratio's lower bound is 1 - clip_low)")
+    _require(not (tr.reward_horizon_mask and tr.dynamic_sampling), "train.reward_horizon_mask",
+             tr.reward_horizon_mask, "does not combine with train.dynamic_sampling (its rounds drop rows)")
     devices = spec.mesh.data * spec.mesh.fsdp * spec.mesh.tensor
     _require(r.engine != "continuous" or devices == 1, "rollout.engine", r.engine,
              f"runs on one device (the page-pool kernel is not sharded); the mesh has {devices}: "

@@ -49,7 +49,7 @@ first wrong one (a model that gets the first lines right earns a signal before i
 from __future__ import annotations
 
 import string
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 import numpy as np
 
@@ -258,6 +258,17 @@ def correct_prefix(completion: str, reference: str,
     return n, len(want)
 
 
+def reward_horizon(completion: str, example: dict[str, Any]) -> Optional[int]:
+    """Characters of ``completion`` that decide its :func:`score`: through its first wrong line
+    (that line's newline included), or None when every reference line is right (all of it
+    counts). Tokens past the horizon cannot change the reward, so their policy-gradient terms
+    have zero mean: leaving them out of the loss (``train.reward_horizon_mask``) only removes noise."""
+    right, total = correct_prefix(completion, example["reference"])
+    if right >= total:
+        return None
+    return min(len(completion), sum(len(line) + 1 for line in completion.split("\n")[:right + 1]))
+
+
 def score(completion: str, example: dict[str, Any]) -> float:
     """Share of the reference's lines right before the first wrong one (1.0: the whole trace,
     terminal look-up included)."""
@@ -268,4 +279,4 @@ def score(completion: str, example: dict[str, Any]) -> float:
 
 
 __all__ = ["NAME", "TERMINAL", "lookup_key", "neighbour_key", "entry_tokens", "read_keys", "distractor_keys",
-           "is_lookup", "trace_lines", "generate", "parse_prompt", "correct_prefix", "score"]
+           "is_lookup", "trace_lines", "generate", "parse_prompt", "correct_prefix", "reward_horizon", "score"]
