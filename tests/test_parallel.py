@@ -227,7 +227,7 @@ _CHILD = textwrap.dedent(
 
     def run_step(mesh):
         state = init_train_state(jax.tree.map(jnp.asarray, params0), optimizer)
-        batch = Batch(*map(jnp.asarray, batch_np))
+        batch = jax.tree.map(jnp.asarray, batch_np)  # None fields (no loss mask) stay None
         info = {}
         if mesh is not None:
             state, batch = shard_train_state(state, mesh, config), shard_batch(batch_np, mesh)
