@@ -93,7 +93,8 @@ def test_reward_horizon_ends_at_the_first_wrong_line():
     assert reward_horizon("0X ab\n01 cd", example) == len("0X ab\n")
     assert reward_horizon("00 ab\n01 cd", example) == len("00 ab\n01 cd")  # stopped early: all of it counts
     assert reward_horizon("00 ab\n01 cd\n02 ef<eos>", example) is None  # every line right
-    assert get_task("recurrence_trace").reward_horizon is reward_horizon and get_task("pointer_trace").reward_horizon is None
+    assert get_task("recurrence_trace").reward_horizon is reward_horizon
+    assert get_task("pointer_trace").reward_horizon is None
     # the score agrees: nothing after the horizon changes it
     wrong = "00 ab\n01 cX\n"
     assert score(wrong + "02 ef", example) == score(wrong + "zz zz\nqq", example)
@@ -117,9 +118,10 @@ def test_the_loss_mask_keeps_each_completion_through_its_horizon():
     tokens = np.zeros((3, width), np.int32)
     for b, r in enumerate(rows):
         tokens[b, :len(r)] = r
-    rollout = SimpleNamespace(tokens=tokens, prompt_lens=np.full(3, len(prompt)), lengths=np.array(list(map(len, rows))))
+    rollout = SimpleNamespace(tokens=tokens, prompt_lens=np.full(3, len(prompt)),
+                              lengths=np.array(list(map(len, rows))))
     ctx = SimpleNamespace(tokenizer=tok, task=get_task("recurrence_trace"))
     mask = reward_horizon_mask(ctx, rollout, [example] * 3, width)
     kept = mask.sum(axis=1).astype(int).tolist()
-    assert kept == [len(tok.encode("00 ab\n01 cX\n")), len(tok.encode("00 ab\n01 cd<eos>")), len(tok.encode("00 aX<eos>"))]
+    assert kept == [len(tok.encode(c)) for c in ("00 ab\n01 cX\n", "00 ab\n01 cd<eos>", "00 aX<eos>")]
     assert (mask[:, :len(prompt)] == 0).all() and (mask[0, len(prompt):len(prompt) + kept[0]] == 1).all()

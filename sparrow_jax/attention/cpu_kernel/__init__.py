@@ -8,8 +8,8 @@ page table (the rollout engine's layout), sparse or dense, and ``paged_sparse_st
 the engine's sparse decode step in one call (metadata append, group-mean query,
 ``score_select_cpu``, then ``paged_decode_cpu`` on a pool). ``flash_attention_cpu.cc`` holds the
 causal whole-sequence attention's forward and backward (wrapped by
-:mod:`sparrow_jax.attention.flash_cpu`). The C++ sources are compiled once per machine with the system C++ compiler
-against the XLA FFI headers shipped in jaxlib, into ``$SPARROW_JAX_CACHE`` (default
+:mod:`sparrow_jax.attention.flash_cpu`). The C++ sources are compiled once per machine with the
+system C++ compiler against the XLA FFI headers shipped in jaxlib, into ``$SPARROW_JAX_CACHE`` (default
 ``~/.cache/sparrow_jax``), keyed by source, jaxlib version, flags and CPU. Without a
 compiler, or if the build fails, :func:`cpu_kernel_available` is False (with one warning)
 and ``sparse_decode(impl="auto")`` keeps the pure-XLA path.
@@ -59,7 +59,8 @@ def _library_path(compiler: str) -> Path:
     import jaxlib
 
     key = hashlib.sha256()
-    for part in (*(path.read_bytes() for path in SOURCES + HEADERS), jaxlib.__version__.encode(), " ".join(FLAGS).encode(), compiler.encode(),
+    sources = (path.read_bytes() for path in SOURCES + HEADERS)
+    for part in (*sources, jaxlib.__version__.encode(), " ".join(FLAGS).encode(), compiler.encode(),
                  platform.machine().encode(), _cpu_signature().encode()):
         key.update(part)
     root = Path(os.environ.get("SPARROW_JAX_CACHE", Path.home() / ".cache" / "sparrow_jax"))
