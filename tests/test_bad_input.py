@@ -193,6 +193,47 @@ def test_allow_failed_writes_the_failed_schedule_and_a_passing_one_is_written(tm
     assert json.loads((tmp_path / "b" / "schedule.json").read_text())["topk"] == [2, 4]
 
 
+def test_revalidation_raises_the_failed_bins_and_validates_on_new_fresh_prompts(tmp_path, monkeypatch):
+    from sparrow_jax.run import calibration
+
+    _fake_calibration(monkeypatch, p5=(0.95, 0.70))
+    first_validate, seen = calibration.validate, []
+
+    def validate(config, params, prompts, schedule, *a, **kw):  # fails until bin 64 has 16 pages
+        seen.append((schedule.topk, [tuple(p) for p in prompts]))
+        out = first_validate(config, params, prompts, schedule, *a, **kw)
+        return out if schedule.topk[1] < 16 else dict(out, p5=[0.95, 0.9], meets=[True, True], ok=True)
+
+    monkeypatch.setattr(calibration, "validate", validate)
+    spec = parse_spec(_cfg(workdir=str(tmp_path / "a"), schedule__kind="calibrated", calibration__revalidate_rounds=3,
+                           calibration__budgets=(1, 2, 4, 8, 16, 32)))
+    result = calibration.calibrate_run(spec, progress=False)
+    assert result["validation"]["ok"] is True and [t for t, _ in seen] == [(2, 4), (2, 8), (2, 16)]
+    assert len({tuple(p) for _, p in seen}) == 3  # each round validates on prompts no earlier round saw
+    assert json.loads((tmp_path / "a" / "schedule.json").read_text())["topk"] == [2, 16]
+    assert json.loads((tmp_path / "a" / "calibration.json").read_text())["raised"] == [
+        dict(from_topk=[2, 4], to_topk=[2, 8], failed_bins=[[64, 0.7]]),
+        dict(from_topk=[2, 8], to_topk=[2, 16], failed_bins=[[64, 0.7]])]
+    # out of rounds: the last raised schedule still fails, so the run stops before RL as without rounds
+    seen.clear()
+    spec = parse_spec(_cfg(workdir=str(tmp_path / "b"), schedule__kind="calibrated", calibration__revalidate_rounds=1))
+    with pytest.raises(ConfigError, match=r"failed validation on fresh prompts \(bin 64: p5 0\.700"):
+        calibration.calibrate_run(spec, progress=False)
+    assert [t for t, _ in seen] == [(2, 4), (2, 8)] and not (tmp_path / "b" / "schedule.json").exists()
+
+
+def test_raise_failed_bins_keeps_budgets_non_decreasing_and_stops_at_the_largest():
+    from sparrow_jax.rollout import SparsitySchedule
+    from sparrow_jax.run.calibration import raise_failed_bins
+
+    s = SparsitySchedule(topk=(6, 6, 8, 8, 24, 48), bin_width=256)
+    budgets = (4, 6, 8, 12, 16, 24, 32, 48, 96)
+    assert raise_failed_bins(s, [1280], budgets).topk == (6, 6, 8, 8, 24, 96)
+    assert raise_failed_bins(s, [512], budgets).topk == (6, 6, 12, 12, 24, 48)  # later bins follow
+    assert raise_failed_bins(s, [256, 5000], budgets).topk == (6, 8, 8, 8, 24, 96)  # past the last bin: the last
+    assert raise_failed_bins(dataclasses.replace(s, topk=(6, 96)), [256], budgets) is None  # nothing larger
+
+
 # ---- checkpoints -----------------------------------------------------------------------------
 
 def _corrupt(step_dir):

@@ -7,9 +7,10 @@ A schedule that fails validation is not written (RL never trains on it) unless
 replacing the schedule of a run already in its workdir."""
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import jax
 import numpy as np
@@ -17,6 +18,7 @@ import numpy as np
 from sparrow_jax.io import atomic_write_json
 from sparrow_jax.io.plots import plot_p5_by_position
 from sparrow_jax.mismatch.calibrate import calibrate, spread_context_lengths, validate
+from sparrow_jax.rollout import SparsitySchedule
 from sparrow_jax.run.context import RunContext, build_run_context, generator_args, schedule_layout
 from sparrow_jax.run.specs import ConfigError, RunSpec, TaskSpec
 
@@ -38,6 +40,20 @@ def failed_bins(validation: dict) -> list[tuple[int, float]]:
     """(bin start, p5) of the validated bins whose p5 missed ``tau - margin``."""
     return [(int(b), float(p)) for b, p, ok in zip(validation["bin_starts"], validation["p5"], validation["meets"])
             if ok is False]
+
+
+def raise_failed_bins(schedule: SparsitySchedule, failed_starts: Sequence[int],
+                      budgets: Sequence[int]) -> Optional[SparsitySchedule]:
+    """``schedule`` with each bin that starts at one of ``failed_starts`` (token positions) raised to
+    the next larger of ``budgets``, and every later bin to at least that (budgets never fall with
+    position); None when no failed bin has a larger budget left."""
+    topk = list(schedule.topk)
+    for start in failed_starts:
+        b = min(int(start) // schedule.bin_width, len(topk) - 1)
+        larger = [k for k in sorted(budgets) if k > topk[b]]
+        if larger:
+            topk[b:] = [max(k, larger[0]) for k in topk[b:]]
+    return None if topk == list(schedule.topk) else dataclasses.replace(schedule, topk=tuple(topk))
 
 
 def context_lengths(t: TaskSpec, n: int, spread: bool = True) -> list[int]:
@@ -62,8 +78,12 @@ def calibrate_run(spec: RunSpec, ctx: Optional[RunContext] = None, progress: boo
 
     Prompts: ``calibration.num_prompts`` task prompts at :func:`context_lengths` (spread up to
     ``task.context_tokens`` unless ``calibration.spread_prompts`` is False; seed ``task.seed + 1``),
-    validated on ``calibration.validate_prompts`` fresh ones (seed ``task.seed + 2``). Returns dict: schedule, table, validation, per_budget,
-    flagged_bins, inherited_bins, schedule_path, table_path, png, seconds.
+    validated on ``calibration.validate_prompts`` fresh ones (seed ``task.seed + 2``). With
+    ``calibration.revalidate_rounds`` > 0, a failed validation raises the failed bins
+    (:func:`raise_failed_bins`) and validates again on new fresh prompts (seed ``task.seed + 2 +
+    round``), until it passes, no larger budget is left, or the rounds are spent. Returns dict:
+    schedule, table, validation, raised (the rounds), per_budget, flagged_bins, inherited_bins,
+    schedule_path, table_path, png, seconds.
     """
     t0 = time.perf_counter()
     ctx = ctx if ctx is not None else build_run_context(spec, schedule=None)
@@ -84,10 +104,24 @@ def calibrate_run(spec: RunSpec, ctx: Optional[RunContext] = None, progress: boo
     result = calibrate(config, ctx.params, prompts, cal.budgets, cal.tau, base, ctx.sampling,
                        cal.samples_per_prompt, jax.random.fold_in(key, 1), cal.percentile,
                        min_count=cal.min_count, pad_id=ctx.tokenizer.pad_id, progress=progress)
-    schedule = result["schedule"]
-    validation = validate(config, ctx.params, fresh, schedule, ctx.sampling, cal.samples_per_prompt,
-                          jax.random.fold_in(key, 2), cal.percentile, tau=cal.tau,
-                          min_count=cal.min_count, pad_id=ctx.tokenizer.pad_id)
+    check = lambda sched, rows, round_: validate(  # noqa: E731
+        config, ctx.params, rows, sched, ctx.sampling, cal.samples_per_prompt, jax.random.fold_in(key, 2 + round_),
+        cal.percentile, tau=cal.tau, min_count=cal.min_count, pad_id=ctx.tokenizer.pad_id)
+    schedule, validation = result["schedule"], check(result["schedule"], fresh, 0)
+    raised = []  # one entry per revalidation round
+    for round_ in range(1, cal.revalidate_rounds + 1):
+        failed = failed_bins(validation)
+        bumped = raise_failed_bins(schedule, [b for b, _ in failed], cal.budgets) if failed else None
+        if bumped is None:  # passed, or no larger budget left
+            break
+        # fresh prompts each round: a schedule raised until it passes one set would fit that set's noise
+        _, fresh = task_prompts(spec.task, ctx, cal.validate_prompts, spec.task.seed + 2 + round_, cal.spread_prompts)
+        raised.append(dict(from_topk=list(schedule.topk), to_topk=list(bumped.topk), failed_bins=failed))
+        schedule, validation = bumped, check(bumped, fresh, round_)
+        if progress:
+            print(f"[calibrate] validation failed in bins {[b for b, _ in failed]}: raised to top-k "
+                  f"{list(schedule.topk)}, revalidated on fresh prompts: min p5 {validation['min_p5']:.4f}", flush=True)
+    result = dict(result, schedule=schedule, raised=raised)
     seconds = time.perf_counter() - t0
     failed = failed_bins(validation)
     paths = _write_outputs(spec, config, base, result, validation, seconds, load_s,
@@ -119,7 +153,8 @@ def _write_outputs(spec: RunSpec, config, base, result: dict, validation: dict, 
         tau=cal.tau, min_count=cal.min_count, model_source=spec.model.source,
         num_params=config.num_params(), **table, schedule_topk=list(schedule.topk),
         flagged_bins=result["flagged_bins"], inherited_bins=result["inherited_bins"],
-        per_budget=result["per_budget"], validation=validation, seconds=round(seconds, 1),
+        per_budget=result["per_budget"], validation=validation, raised=result.get("raised", []),
+        seconds=round(seconds, 1),
         load_seconds=round(load_s, 1)))
     if write_schedule:
         atomic_write_json(paths["schedule_path"], schedule.to_dict())  # crash-safe; same content as to_json

@@ -115,6 +115,7 @@ class CalibrationSpec:
     percentile: float
     min_count: int
     spread_prompts: bool  # prompt lengths spread up to task.context_tokens (False: all at it)
+    revalidate_rounds: int  # failed bins raised to the next budget and validated again, this many times
     allow_failed: bool  # RL may use a schedule whose validation failed (else the run stops before RL)
 
 
@@ -323,8 +324,8 @@ NON_NEGATIVE = ("eval_every", "task.preamble_tokens", "task.min_lines", "task.fa
                 "train.entropy_coef", "train.tis_mask_low", "train.tis_mask_high", "train.overlong_buffer",
                 "train.overlong_penalty", "train.dynamic_sampling_rounds", "train.max_nonfinite_steps",
                 "distill.learning_rate", "distill.kl_coef", "distill.tis_cap", "distill.switch_topk",
-                "distill.switch_every", "calibration.min_count", "schedule.online.margin", "schedule.online.z",
-                "schedule.online.min_topk", "schedule.online.max_topk")
+                "distill.switch_every", "calibration.min_count", "calibration.revalidate_rounds",
+                "schedule.online.margin", "schedule.online.z", "schedule.online.min_topk", "schedule.online.max_topk")
 
 
 def _get(spec: RunSpec, dotted: str) -> Any:
