@@ -115,8 +115,8 @@ class CalibrationSpec:
     percentile: float
     min_count: int
     spread_prompts: bool  # prompt lengths spread up to task.context_tokens (False: all at it)
-    revalidate_rounds: int  # failed bins raised to the next budget and validated again, this many times
     allow_failed: bool  # RL may use a schedule whose validation failed (else the run stops before RL)
+    revalidate_rounds: int = 0  # failed bins raised to the next budget and validated again, this many times
 
 
 @_spec
