@@ -26,44 +26,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
-from typing import Optional
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from absl import flags
 
 from sparrow_jax.run.cli import config_main, define_config_flag
-
-
-def checkpoint_params(workdir: str, like) -> Optional[dict]:
-    """The policy params of the newest checkpoint under ``<workdir>/checkpoints`` (None without one),
-    checked against the model's param tree ``like``."""
-    from sparrow_jax.io.checkpoint import CheckpointManager
-
-    directory = os.path.join(workdir, "checkpoints")
-    if not os.path.isdir(directory):
-        return None
-    with CheckpointManager(directory) as ckpt:
-        step = ckpt.latest_step()
-        if step is None:
-            return None
-        stored = ckpt.restore(step)["loop"]["train"]["params"]  # untargeted: orbax's keys are strings
-    by_path = {_path(p): x for p, x in jax.tree_util.tree_flatten_with_path(stored)[0]}
-
-    def leaf(path, ref):
-        x = by_path.get(_path(path))
-        if x is None or tuple(x.shape) != tuple(ref.shape):
-            raise ValueError(f"{directory} step {step}: its params do not match the config's model at "
-                             f"{_path(path)} (another model's run in this workdir?)")
-        return jnp.asarray(x, ref.dtype)
-
-    return jax.tree_util.tree_map_with_path(leaf, like)
-
-
-def _path(path) -> str:
-    return "/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
 
 
 def attended_pages(schedule, prompt_lens: np.ndarray, new_tokens: int, dense: bool = False) -> float:
@@ -97,6 +65,7 @@ def ceiling_summary(tok_s: dict[str, list[float]], pages: dict[str, float]) -> d
 def measure_ceiling(spec, repeats: int = 7, num_prompts: int = 8, samples: int = 2, initial: bool = False) -> dict:
     """Time dense, the run's schedule and its top-k-0 floor on the run's held-out prompts (module
     docstring); returns the summary printed as JSON."""
+    from sparrow_jax.io.checkpoint import run_policy_params
     from sparrow_jax.run.context import build_run_context, build_schedule
     from sparrow_jax.run.specs import ConfigError
     from sparrow_jax.run.speed import time_sides
@@ -105,7 +74,8 @@ def measure_ceiling(spec, repeats: int = 7, num_prompts: int = 8, samples: int =
     if schedule is None:
         raise ConfigError(f"schedule.kind={spec.schedule.kind!r}: dense rollouts have no sparse side to time")
     ctx = build_run_context(spec, schedule)
-    params = None if initial else checkpoint_params(spec.workdir, ctx.params)
+    stored = None if initial else run_policy_params(spec.workdir, ctx.params)
+    params = None if stored is None else stored[0]
     source = "initial" if params is None else "checkpoint"
     params = ctx.params if params is None else params
     prompts = [ctx.encode(e) for e in ctx.eval_rows[:num_prompts] for _ in range(samples)]

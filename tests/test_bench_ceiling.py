@@ -4,8 +4,8 @@ import numpy as np
 import pytest
 
 from configs.grpo_tiny import get_config
-from experiments.bench_speedup_ceiling import attended_pages, checkpoint_params, measure_ceiling
-from sparrow_jax.io.checkpoint import CheckpointManager
+from experiments.bench_speedup_ceiling import attended_pages, measure_ceiling
+from sparrow_jax.io.checkpoint import CheckpointManager, run_policy_params
 from sparrow_jax.rollout import SparsitySchedule
 from sparrow_jax.run.specs import ConfigError, parse_spec
 
@@ -42,20 +42,21 @@ def test_measure_ceiling_times_three_sides_on_the_same_rows(tmp_path):
         measure_ceiling(_spec(tmp_path, kind="dense"), repeats=1)
 
 
-def test_checkpoint_params_reads_the_newest_policy_and_rejects_another_model(tmp_path):
+def test_run_policy_params_reads_the_newest_or_a_given_step_and_rejects_another_model(tmp_path):
     from sparrow_jax.run.context import build_run_context
 
     like = build_run_context(_spec(tmp_path)).params
-    assert checkpoint_params(str(tmp_path), like) is None  # no checkpoints yet
+    assert run_policy_params(str(tmp_path), like) is None  # no checkpoints yet
     trained = jax.tree.map(lambda x: x + 1.0, like)
     with CheckpointManager(tmp_path / "checkpoints") as ckpt:
         ckpt.save(1, {"loop": {"train": {"params": like}}})
         ckpt.save(2, {"loop": {"train": {"params": trained}}})
-    got = checkpoint_params(str(tmp_path), like)
-    assert jax.tree.structure(got) == jax.tree.structure(like)
-    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(trained)):
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    for step, want in ((None, trained), (2, trained), (1, like)):
+        got, got_step = run_policy_params(str(tmp_path), like, step)
+        assert got_step == (step or 2) and jax.tree.structure(got) == jax.tree.structure(like)
+        for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
     other = dict(like, embed_tokens=like["embed_tokens"][:, :8])
     with pytest.raises(ValueError, match="embed_tokens"):
-        checkpoint_params(str(tmp_path), other)
+        run_policy_params(str(tmp_path), other)

@@ -373,3 +373,33 @@ class CheckpointManager(Closing):
     # ------------------------------------------------------------------ lifecycle
     def close(self) -> None:
         self._mngr.close()
+
+
+def run_policy_params(workdir: str | os.PathLike, like, step: int | None = None) -> tuple[Any, int] | None:
+    """The policy params of an RL run's checkpoint (``<workdir>/checkpoints``, step ``step``, default
+    the newest committed) as ``(params, step)``, in the tree, shapes and dtypes of ``like`` (the
+    model's params); None when the run has no checkpoint. Raises ValueError when the stored
+    params do not fit ``like`` (another model's run in that workdir)."""
+    directory = os.path.join(workdir, "checkpoints")
+    if not os.path.isdir(directory):
+        return None
+    with CheckpointManager(directory) as ckpt:
+        step = ckpt.latest_step() if step is None else step
+        if step is None:
+            return None
+        stored = ckpt.restore(step)["loop"]["train"]["params"]  # untargeted: orbax's keys are strings
+    by_path = {_tree_path(p): x for p, x in jax.tree_util.tree_flatten_with_path(stored)[0]}
+
+    def leaf(path, ref):
+        x = by_path.get(_tree_path(path))
+        if x is None or tuple(x.shape) != tuple(ref.shape):
+            raise ValueError(f"{directory} step {step}: its params do not match the config's model at "
+                             f"{_tree_path(path)} (another model's run in this workdir?)")
+        return jax.numpy.asarray(x, ref.dtype)
+
+    return jax.tree_util.tree_map_with_path(leaf, like), int(step)
+
+
+def _tree_path(path) -> str:
+    """A pytree path as ``a/b/0``, the same for int keys and the strings orbax restores them as."""
+    return "/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
