@@ -271,4 +271,9 @@ def study_config() -> ConfigDict:
         # after an arm's first seed, time its final schedule's rollouts against dense ones like for like
         # (sparrow_jax.run.speed; minutes per sparse arm)
         measure_speedup=False,
+        # > 0: after training, every arm's final dense policy (each seed) and the starting policy sampled
+        # densely with one key on this many held-out prompts (the validation prompts first), rewards kept
+        # per prompt in <workdir>/final_eval.json: each arm's change and its difference from the dense arm
+        # get paired standard errors (sparrow_jax.run.final_eval). A finished study gains it when rerun.
+        final_eval_prompts=0,
     ))

@@ -90,4 +90,7 @@ def get_config():
     c.study.seeds = (0, 1)
     c.study.low_tau = 0.75  # the paper's collapse threshold, calibrated exactly as the main tau
     c.study.measure_speedup = True
+    # after training: every arm's final dense policy and the warm-up on 128 held-out prompts (the 16 validation
+    # prompts first) with one sampling key, so changes and gaps to the dense arm get paired errors
+    c.study.final_eval_prompts = 128
     return c

@@ -7,7 +7,8 @@ standard errors, the pooled per-bin p5 and each bin's worst step, the hold fract
 speedup and costs, seconds per phase) and redraws the run's plots. Works on a run that is still
 going or was killed: the figures are those of the steps logged so far. A study's workdir
 (``config.json`` with a ``study`` block) gets one column per arm that has logged steps (per arm and
-seed with several ``study.seeds``).
+seed with several ``study.seeds``), then its paired final evaluation when ``final_eval.json`` holds
+one (:mod:`sparrow_jax.run.final_eval`).
 """
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from absl import app
 
 from sparrow_jax.io.metrics import read_histograms, read_metrics
 from sparrow_jax.io.plots import plot_curves
+from sparrow_jax.run.final_eval import FINAL_EVAL_FILE, format_final_eval, paired_figures
 from sparrow_jax.run.report import generated_tokens_per_s, reward_window, training_report, training_rows
 
 USAGE = "usage: python -m experiments.summary <workdir>"
@@ -143,7 +145,16 @@ def summarize(workdir: str) -> tuple[str, Optional[str]]:
         columns = {os.path.basename(os.path.normpath(workdir)): summarize_run(workdir, config)}
     if not columns or not any(s["rows"] for s in columns.values()):
         return (f"{workdir}: no training step logged yet", None)
-    return table(columns), redraw(workdir, columns, study)
+    return table(columns) + final_evaluation(workdir), redraw(workdir, columns, study)
+
+
+def final_evaluation(workdir: str) -> str:
+    """A study's paired final evaluation (``final_eval.json``, the policies evaluated so far) as lines
+    after the table; empty without one."""
+    data = _read_json(os.path.join(workdir, FINAL_EVAL_FILE))
+    if not data or not data.get("runs"):
+        return ""
+    return "\n" + "\n".join(format_final_eval(paired_figures(data)))
 
 
 def main(argv: list[str]) -> None:

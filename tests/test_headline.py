@@ -198,7 +198,7 @@ def test_two_seed_study_resumes_seed_by_seed_and_calibrates_the_low_arm(tmp_path
     from sparrow_jax.rollout import SparsitySchedule
     from sparrow_jax.run import study
 
-    cfg = _config(arms=("dense", "calibrated_low", "random_reward"))
+    cfg = _config(arms=("dense", "calibrated_low", "random_reward"), final_eval_prompts=0)
     cfg.workdir, cfg.steps = str(tmp_path), 2
     spec = parse_spec(cfg)
     (tmp_path / "schedule.json").write_text("{}")  # the main calibration is done
@@ -248,3 +248,20 @@ def test_two_seed_study_resumes_seed_by_seed_and_calibrates_the_low_arm(tmp_path
     trained.clear()
     study.run_study(spec)
     assert trained == [] and len(calibrations) == 1
+
+    # a finished study asked later for its paired final evaluation runs that and trains nothing
+    from sparrow_jax.run.pipeline import run_pipeline
+
+    evaluated = []
+    runs = {name: {"reward_mean@4": [0.5, 0.7], "reward_greedy": [1.0, 1.0]}
+            for name in ("start", "dense/seed_0", "dense/seed_1", "random_reward/seed_0", "random_reward/seed_1")}
+    monkeypatch.setattr(study, "evaluate_final", lambda s, workdirs: evaluated.append(workdirs) or
+                        {"prompts": 2, "k": 4, "seed": 0, "runs": runs})
+    cfg.study.final_eval_prompts = 2
+    with_eval = parse_spec(cfg)
+    for _ in range(2):  # the second call finds the evaluation in the report
+        report = run_pipeline(with_eval)
+    assert trained == [] and len(evaluated) == 1
+    assert evaluated[0]["random_reward"] == {s: f"{tmp_path}/random_reward/seed_{s}" for s in (0, 1)}
+    fig = report["final_eval"]["reward_mean@4"]
+    assert report["final_eval"]["prompts"] == 2 and fig["arms"]["random_reward"]["vs_dense"] == 0.0

@@ -79,6 +79,15 @@ def test_study_with_seeds_gets_a_column_per_arm_and_seed(tmp_path):
     _log_steps(tmp_path / "calibrated" / "seed_0", 1)
     text, _ = summarize(str(tmp_path))
     assert text.splitlines()[0].split() == ["dense/seed_0", "dense/seed_1", "calibrated/seed_0"]
+    # the paired final evaluation, as far as it got (the calibrated arm's second seed not yet evaluated)
+    per_prompt = lambda *r: {"reward_mean@2": list(r), "reward_greedy": list(r)}  # noqa: E731
+    (tmp_path / "final_eval.json").write_text(json.dumps({"prompts": 2, "k": 2, "seed": 0, "runs": {
+        "start": per_prompt(0.2, 0.4), "dense/seed_0": per_prompt(0.3, 0.6), "dense/seed_1": per_prompt(0.3, 0.6),
+        "calibrated/seed_0": per_prompt(0.3, 0.5)}}))
+    final = summarize(str(tmp_path))[0].splitlines()[-3:]
+    assert "on 2 held-out prompts" in final[0] and "start 0.300±0.100" in final[0]
+    assert "dense: end 0.450±0.150, change +0.150±0.050, vs dense -" in final[1]  # seeds alike: no spread
+    assert "calibrated: end 0.400±0.100, change +0.100±0.000, vs dense -0.050±0.050 (seeds [0])" in final[2]
 
 
 def test_phase_seconds_is_the_median_after_the_first_step():

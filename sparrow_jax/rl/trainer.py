@@ -166,21 +166,27 @@ def _mean_se(per_prompt: np.ndarray) -> tuple[float, float]:
     return mean, float("nan") if se is None else se
 
 
-def evaluate(ctx: RunContext, params, schedule, examples: list[dict], k: int, key,
-             pool: Optional[RewardPool] = None) -> dict[str, float]:
-    """Held-out figures of ``params`` sampling under ``schedule`` (None: dense attention), each with
-    ``<name>_se``, its standard error over the prompts:
-
-    ``reward_greedy``: reward of the greedy (temperature 0) completion; ``reward_mean@k``: mean
-    reward of k samples at the rollout temperature; ``success@k``: share of prompts with a fully
-    correct sample (reward >= 1: partial credit is not success)."""
+def evaluate_per_prompt(ctx: RunContext, params, schedule, examples: list[dict], k: int, key,
+                        pool: Optional[RewardPool] = None) -> dict[str, np.ndarray]:
+    """Held-out figures of ``params`` sampling under ``schedule`` (None: dense attention), per
+    prompt, each [P] for the P ``examples``: ``reward_greedy`` (the greedy, temperature-0
+    completion's reward), ``reward_mean@k`` (the mean reward of k samples at the rollout
+    temperature), ``success@k`` (1 if a sample is fully correct, reward >= 1: partial credit is
+    not success). The same ``key`` draws the same samples for the same policy."""
     greedy = dataclasses.replace(ctx, sampling=dataclasses.replace(ctx.sampling, temperature=0.0))
     _, best = sample(greedy, params, examples, key, 1, schedule, pool)
     _, rewards = sample(ctx, params, examples, key, k, schedule, pool)
     r = rewards.reshape(len(examples), k)
+    return {"reward_greedy": np.asarray(best, np.float64), f"reward_mean@{k}": np.asarray(r.mean(axis=1), np.float64),
+            f"success@{k}": (r >= 1.0).any(axis=1).astype(np.float64)}
+
+
+def evaluate(ctx: RunContext, params, schedule, examples: list[dict], k: int, key,
+             pool: Optional[RewardPool] = None) -> dict[str, float]:
+    """:func:`evaluate_per_prompt`'s figures as means over the prompts, each with ``<name>_se``,
+    its standard error over the prompts."""
     out = {}
-    for name, per_prompt in (("reward_greedy", best), (f"reward_mean@{k}", r.mean(axis=1)),
-                             (f"success@{k}", (r >= 1.0).any(axis=1))):
+    for name, per_prompt in evaluate_per_prompt(ctx, params, schedule, examples, k, key, pool).items():
         out[name], out[f"{name}_se"] = _mean_se(per_prompt)
     return out
 

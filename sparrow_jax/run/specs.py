@@ -184,6 +184,9 @@ class StudySpec:
     seeds: tuple = ()  # every arm runs once per seed (empty: the run's seed alone)
     low_tau: float = 0.75  # calibration.tau of the calibrated_low arm
     measure_speedup: bool = False  # paired rollout speedup of each arm's final schedule vs dense (first seed)
+    # > 0: after training, every arm's final dense policy (each seed) and the starting one sampled densely
+    # on this many held-out prompts, rewards per prompt (sparrow_jax.run.final_eval): paired errors
+    final_eval_prompts: int = 0
 
 
 STUDY_ARMS = ("dense", "calibrated", "aggressive", "online_dense", "online_aggressive", "online_distill",
@@ -391,7 +394,8 @@ def validate(spec: RunSpec) -> None:
 
 
 def _validate_study(spec: RunSpec) -> None:
-    """study.*: known distinct arms, distinct non-negative int seeds, a low tau below the main one."""
+    """study.*: known distinct arms, distinct non-negative int seeds, a low tau below the main one, a final
+    evaluation on held-out rows only."""
     st = spec.study
     unknown = [a for a in st.arms if a not in STUDY_ARMS]
     _require(bool(st.arms) and not unknown and len(set(st.arms)) == len(st.arms), "study.arms", st.arms,
@@ -399,6 +403,11 @@ def _validate_study(spec: RunSpec) -> None:
     ints = all(isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in st.seeds)
     _require(ints and len(set(st.seeds)) == len(st.seeds), "study.seeds", st.seeds,
              "expected distinct non-negative ints (empty: the run's seed)")
+    _require(isinstance(st.final_eval_prompts, int) and st.final_eval_prompts >= 0, "study.final_eval_prompts",
+             st.final_eval_prompts, "expected an int >= 0 (0: no final evaluation)")
+    if st.final_eval_prompts and spec.task.dataset:  # a dataset's held-out rows are its first task.num_eval
+        _require(st.final_eval_prompts <= spec.task.num_eval, "study.final_eval_prompts", st.final_eval_prompts,
+                 f"a dataset holds out task.num_eval={spec.task.num_eval} rows; more would take training rows")
     if "calibrated_low" in st.arms:  # read only by that arm
         _require(0 < st.low_tau < spec.calibration.tau, "study.low_tau", st.low_tau,
                  f"must be in (0, calibration.tau={spec.calibration.tau})")

@@ -29,6 +29,7 @@ from sparrow_jax.rl.context import RunContext
 from sparrow_jax.rl.trainer import TrainResult, train
 from sparrow_jax.run.calibration import calibrate_run
 from sparrow_jax.run.context import build_run_context, build_schedule
+from sparrow_jax.run.final_eval import evaluate_final, format_final_eval, paired_figures
 from sparrow_jax.run.headline import SeedRun, arm_summary, relative_step_time
 from sparrow_jax.run.study_plots import plot_headline, plot_study
 from sparrow_jax.run.report import (generated_tokens_per_s, reward_start_end, reward_window, training_report,
@@ -174,8 +175,10 @@ def _run_arm(spec: RunSpec, arm: str, seed: int, calibrated) -> SeedRun:
 def run_study(spec: RunSpec) -> dict:
     """Train every (arm, seed) of ``study.arms`` x :func:`study_seeds` not yet finished (arm by arm,
     seed by seed), calibrating ``calibrated_low`` at ``study.low_tau`` first when it has no schedule,
-    then write ``<workdir>/report.json`` (the table under ``arms``, :func:`arm_summary` per arm),
-    ``study.png`` (the first seed's steps) and ``headline.png`` from the arms' logs."""
+    then write ``<workdir>/report.json`` (the table under ``arms``, :func:`arm_summary` per arm, and
+    with ``study.final_eval_prompts`` the paired final evaluation under ``final_eval``,
+    :mod:`sparrow_jax.run.final_eval`), ``study.png`` (the first seed's steps) and ``headline.png``
+    from the arms' logs."""
     if not os.path.exists(os.path.join(spec.workdir, "schedule.json")):
         calibrate_run(spec)
     calibrated = build_schedule(spec.schedule, spec.workdir)
@@ -207,6 +210,9 @@ def run_study(spec: RunSpec) -> dict:
               "steps": spec.steps}
     if "calibrated_low" in runs:
         report["low_tau"] = spec.study.low_tau
+    if spec.study.final_eval_prompts:
+        workdirs = {a: {s: _arm_spec(spec, a, s).workdir for s in seeds} for a in runs}
+        report["final_eval"] = paired_figures(evaluate_final(spec, workdirs))
     atomic_write_json(os.path.join(spec.workdir, "report.json"), report)
     print_study(report)
     return report
@@ -216,7 +222,7 @@ def print_study(report: dict) -> None:
     """The study table, one line per arm (dense held-out reward over seeds start -> end with standard
     errors, its change and curve area, sampled reward, min pooled p5, generated tokens per rollout
     second, paired speedup, step time relative to dense, share of visible pages kept, predicted cost
-    relative to dense), then the report as one JSON line."""
+    relative to dense), the final evaluation's lines when it ran, then the report as one JSON line."""
     fmt = lambda x, f=".3f": "-" if x is None else format(x, f)  # noqa: E731
     pm = lambda x, se: fmt(x) if se is None else f"{fmt(x)}±{fmt(se)}"  # noqa: E731
     for a, row in report["arms"].items():
@@ -228,4 +234,6 @@ def print_study(report: dict) -> None:
               f"{fmt(row.get('rollout_speedup'), '.2f')}x, step time vs dense "
               f"{fmt(row.get('step_time_vs_dense'), '.2f')}x, kept pages {fmt(row.get('kept_page_share'))}, "
               f"predicted cost {fmt(row.get('predicted_cost_end'))}", flush=True)
+    if "final_eval" in report:
+        print("\n".join(format_final_eval(report["final_eval"])), flush=True)
     print(json.dumps(report))

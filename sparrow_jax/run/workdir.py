@@ -22,8 +22,10 @@ from sparrow_jax.run.specs import ConfigError, RunSpec
 CONFIG_FILE = "config.json"
 # Fields a continued run may change: where it lives, how long it runs (more steps extend it), how
 # often it saves and evaluates, the device mesh it runs on (checkpoints restore resharded), and
-# dry_run (a dry run stops before the workdir is touched).
-CONTINUABLE = ("workdir", "steps", "checkpoint_every", "keep_checkpoints", "eval_every", "mesh", "dry_run")
+# dry_run (a dry run stops before the workdir is touched), and the study's final evaluation (it reads
+# the finished arms, trains nothing).
+CONTINUABLE = ("workdir", "steps", "checkpoint_every", "keep_checkpoints", "eval_every", "mesh", "dry_run",
+               "study.final_eval_prompts")
 
 
 def run_state(workdir: str) -> list[str]:
@@ -86,8 +88,12 @@ def check_workdir(spec: RunSpec) -> None:
         old = _with_new_defaults(json.load(f), spec)
     new = spec_json(spec)
     for name in CONTINUABLE:
-        old.pop(name, None)
-        new.pop(name, None)
+        for tree in (old, new):
+            *parents, leaf = name.split(".")
+            for parent in parents:
+                tree = tree.get(parent) if isinstance(tree, dict) else None
+            if isinstance(tree, dict):
+                tree.pop(leaf, None)
     diffs = config_differences(old, new)
     if diffs:
         shown = "; ".join(diffs[:8]) + (f"; and {len(diffs) - 8} more" if len(diffs) > 8 else "")

@@ -1,0 +1,145 @@
+"""The study's paired final evaluation (sparrow_jax.run.final_eval): figures against hand
+computations, a real evaluation of checkpoints on a tiny model (common random numbers: a policy
+equal to the start changes by exactly 0), resuming, bad input, and the held-out rows."""
+import json
+import math
+
+import jax
+import numpy as np
+import pytest
+
+from sparrow_jax.io.checkpoint import CheckpointManager
+from sparrow_jax.run import final_eval
+from sparrow_jax.run.final_eval import (FINAL_EVAL_FILE, evaluate_final, final_eval_pending, final_eval_rows,
+                                        format_final_eval, paired_figures)
+from sparrow_jax.run.specs import ConfigError, parse_spec
+from sparrow_jax.run.workdir import check_workdir, write_config
+
+
+def _tiny_spec(workdir, prompts=3, steps=2, **overrides):
+    from configs.common import study_config
+    from configs.grpo_tiny import get_config
+
+    cfg = get_config()
+    cfg.workdir, cfg.steps = str(workdir), steps
+    cfg.rollout.max_new_tokens = 6
+    cfg.study = study_config()
+    cfg.study.arms, cfg.study.seeds, cfg.study.final_eval_prompts = ("dense", "calibrated"), (0, 1), prompts
+    for k, v in overrides.items():
+        cfg.study[k] = v
+    return parse_spec(cfg)
+
+
+def _sd(x):
+    return np.std(x, ddof=1) / math.sqrt(len(x))
+
+
+def test_paired_figures_by_hand():
+    start = {0: [0.2, 0.4, 0.6, 0.8], 1: [0.3, 0.4, 0.5, 0.6]}
+    dense = {0: [0.3, 0.6, 0.6, 0.9], 1: [0.4, 0.4, 0.7, 0.6]}
+    sparse = {0: [0.3, 0.5, 0.6, 0.7], 1: [0.2, 0.4, 0.6, 0.6]}
+    runs = {}
+    for s in (0, 1):
+        runs[f"start/seed_{s}"] = {"reward_mean@2": start[s], "reward_greedy": start[s]}
+        runs[f"dense/seed_{s}"] = {"reward_mean@2": dense[s], "reward_greedy": start[s]}
+        runs[f"calibrated/seed_{s}"] = {"reward_mean@2": sparse[s], "reward_greedy": start[s]}
+    fig = paired_figures({"prompts": 4, "k": 2, "seed": 0, "runs": runs})
+    m = fig["reward_mean@2"]
+
+    def combined(per_seed):  # combine_seeds: mean per-seed se^2 plus the variance of the seed means / 2
+        means = [np.mean(x) for x in per_seed]
+        within = np.mean([_sd(x) ** 2 for x in per_seed])
+        return np.mean(means), math.sqrt(within + np.var(means, ddof=1) / 2)
+
+    diff = lambda a, b: [np.subtract(a[s], b[s]) for s in (0, 1)]  # noqa: E731
+    for got, (want, want_se) in (((m["start"], m["start_se"]), combined([start[0], start[1]])),
+                                 ((m["arms"]["dense"]["change"], m["arms"]["dense"]["change_se"]),
+                                  combined(diff(dense, start))),
+                                 ((m["arms"]["calibrated"]["vs_dense"], m["arms"]["calibrated"]["vs_dense_se"]),
+                                  combined(diff(sparse, dense)))):
+        assert got[0] == pytest.approx(want) and got[1] == pytest.approx(want_se)
+    # the paired error of the change is far below the unpaired one the prompts' spread would give
+    assert m["arms"]["dense"]["change_se"] < 0.5 * math.hypot(m["start_se"], m["arms"]["dense"]["end_se"])
+    assert "vs_dense" not in m["arms"]["dense"] and m["arms"]["calibrated"]["seeds"] == [0, 1]
+    g = fig["reward_greedy"]["arms"]["calibrated"]
+    assert (g["change"], g["change_se"], g["vs_dense"]) == (0.0, 0.0, 0.0)
+    lines = format_final_eval(fig)
+    assert len(lines) == 3 and "calibrated" in lines[2] and "vs dense" in lines[2]
+
+
+def _save_final(workdir, params, step):
+    with CheckpointManager(workdir / "checkpoints") as ckpt:
+        ckpt.save(step, {"loop": {"train": {"params": params}}})
+
+
+def test_evaluate_final_pairs_every_policy_on_the_same_prompts_and_key_and_resumes(tmp_path, monkeypatch):
+    from sparrow_jax.run.context import build_run_context
+    from sparrow_jax.sft.model_source import build_model
+
+    spec = _tiny_spec(tmp_path)
+    ctx = build_run_context(spec, None)
+    workdirs = {arm: {s: tmp_path / arm / f"seed_{s}" for s in (0, 1)} for arm in ("dense", "calibrated")}
+    for s in (0, 1):
+        start = build_model(spec.model, spec.task, ctx.tokenizer, s)[1]
+        _save_final(workdirs["dense"][s], jax.tree.map(lambda x: x * 0.5, start), spec.steps)
+        _save_final(workdirs["calibrated"][s], start, spec.steps)  # never moved from its start
+    with pytest.raises(ValueError, match="last step 3"):
+        evaluate_final(_tiny_spec(tmp_path, steps=3), {"dense": {0: str(workdirs["dense"][0])}})
+    assert not (tmp_path / FINAL_EVAL_FILE).exists()  # refused before evaluating anything
+
+    data = evaluate_final(spec, {a: {s: str(w) for s, w in by.items()} for a, by in workdirs.items()})
+    assert set(data["runs"]) == {"start/seed_0", "start/seed_1", "dense/seed_0", "dense/seed_1", "calibrated/seed_0",
+                                 "calibrated/seed_1"}
+    assert all(len(v) == 3 for r in data["runs"].values() for v in r.values())
+    assert json.loads((tmp_path / FINAL_EVAL_FILE).read_text()) == data
+    for s in (0, 1):  # the same params on the same prompts with the same key: the same rewards, prompt by prompt
+        assert data["runs"][f"calibrated/seed_{s}"] == data["runs"][f"start/seed_{s}"]
+    fig = paired_figures(data)["reward_mean@2"]["arms"]["calibrated"]
+    assert (fig["change"], fig["change_se"]) == (0.0, 0.0)
+
+    calls = []
+    monkeypatch.setattr(final_eval, "evaluate_per_prompt", lambda *a, **k: calls.append(a))
+    assert evaluate_final(spec, {a: {s: str(w) for s, w in by.items()} for a, by in workdirs.items()}) == data
+    assert calls == []  # every policy was evaluated: nothing runs again
+    data["runs"].pop("dense/seed_1")  # as if interrupted before the last one
+    (tmp_path / FINAL_EVAL_FILE).write_text(json.dumps(data))
+    monkeypatch.undo()
+    again = evaluate_final(spec, {a: {s: str(w) for s, w in by.items()} for a, by in workdirs.items()})
+    assert set(again["runs"]) == set(data["runs"]) | {"dense/seed_1"}
+
+
+def test_final_eval_rows_extend_the_validation_prompts_and_never_meet_training(tmp_path):
+    from sparrow_jax.data.registry import get_task
+    from sparrow_jax.run.context import build_examples
+
+    spec = _tiny_spec(tmp_path, prompts=20)
+    task = get_task(spec.task.name)
+    train, val = build_examples(spec.task, task)
+    rows = final_eval_rows(spec, task)
+    assert len(rows) == 20 and rows[:len(val)] == val
+    assert not {json.dumps(r, sort_keys=True) for r in rows} & {json.dumps(r, sort_keys=True) for r in train}
+
+
+def test_bad_final_eval_prompts_name_the_field(tmp_path):
+    from configs.common import study_config
+    from configs.grpo_tiny import get_config
+
+    with pytest.raises(ConfigError, match="study.final_eval_prompts=-1"):
+        _tiny_spec(tmp_path, prompts=-1)
+    cfg = get_config()
+    cfg.task.dataset, cfg.task.num_train, cfg.study = "rows.jsonl", 0, study_config()
+    cfg.study.final_eval_prompts = 9  # a dataset holds out its first task.num_eval = 8 rows
+    with pytest.raises(ConfigError, match="study.final_eval_prompts=9.*num_eval=8"):
+        parse_spec(cfg)
+
+
+def test_a_finished_study_continues_only_to_add_its_final_evaluation(tmp_path):
+    old = _tiny_spec(tmp_path, prompts=0)
+    write_config(old)
+    (tmp_path / "checkpoints").mkdir()  # the workdir holds a run
+    new = _tiny_spec(tmp_path, prompts=64)
+    check_workdir(new)  # the final evaluation trains nothing: allowed
+    with pytest.raises(ConfigError, match="study.low_tau"):
+        check_workdir(_tiny_spec(tmp_path, prompts=64, low_tau=0.5))
+    assert final_eval_pending(new, {"steps": 2}) and final_eval_pending(new, {"final_eval": {"prompts": 3}})
+    assert not final_eval_pending(new, {"final_eval": {"prompts": 64}}) and not final_eval_pending(old, {})
