@@ -260,14 +260,16 @@ def study_config() -> ConfigDict:
     return ConfigDict(dict(
         aggressive_topk=1,  # top-k pages of the aggressive fixed-budget arm (plus the reserved pages)
         # any of sparrow_jax.run.specs.STUDY_ARMS; online_*: schedule.kind online started dense, at
-        # the aggressive budget, or calibrated with DistillSparse; calibrated_low: calibrated as the
-        # main schedule but at low_tau (into <workdir>/calibrated_low); random_reward: dense rollouts,
+        # the aggressive budget, or calibrated with DistillSparse; calibrated_low / calibrated_high:
+        # calibrated as the main schedule but at low_tau / high_tau (into <workdir>/calibrated_low /
+        # calibrated_high); random_reward: dense rollouts,
         # train.random_reward (the update learns from coin flips)
         arms=("dense", "calibrated", "aggressive"),  # arms run, in order
         # every arm runs once per seed, the same seeds for every arm: empty is the run's seed alone, in
         # <workdir>/<arm>; several seeds run in <workdir>/<arm>/seed_<s>
         seeds=(),
         low_tau=0.75,  # calibration.tau of the calibrated_low arm, in (0, calibration.tau) (paper: collapse)
+        high_tau=0.92,  # calibration.tau of the calibrated_high arm, in (calibration.tau, 1) (paper: stable, slower)
         # after an arm's first seed, time its final schedule's rollouts against dense ones like for like
         # (sparrow_jax.run.speed; minutes per sparse arm)
         measure_speedup=False,

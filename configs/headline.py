@@ -1,15 +1,17 @@
 """The headline study on recurrence_trace with one-letter keys (90-token prompts: a 20-key table;
 ~1.4K-token mostly local traces, every 10th line a look-up; the 3-layer tiny Qwen3 with every
 layer sparse): does RL with sparse rollouts at the calibrated tau = 0.86 schedule train the dense
-policy as well as dense rollouts, and does the paper's collapse threshold tau = 0.75 not?
+policy as well as dense rollouts, does the paper's collapse threshold tau = 0.75 not, and does its
+stable threshold 0.92?
 
     python -m experiments.warmup --config configs/headline.py   # the warm-up alone (+ reward by trace length)
     python -m experiments.run --config configs/headline.py
 
 Arms, each at seeds 0 and 1 with the same prompts (``runs/headline/<arm>/seed_<s>``): dense
 rollouts; the schedule calibrated at tau = 0.86 (``runs/headline/schedule.json``); the schedule
-calibrated the same way at ``study.low_tau`` = 0.75 (``runs/headline/calibrated_low/``); the
-online controller started dense; and the random-reward control (dense rollouts whose update learns
+calibrated the same way at ``study.low_tau`` = 0.75 (``runs/headline/calibrated_low/``) and at
+``study.high_tau`` = 0.92 (``runs/headline/calibrated_high/``, added to the finished study later: arms
+are continuable); the online controller started dense; and the random-reward control (dense rollouts whose update learns
 from coin flips with the batch's mean reward: a held-out gain there is not from the reward).
 Resumable arm by arm and seed by seed. Writes ``runs/headline/report.json`` (per arm over seeds:
 dense held-out reward start / end / change with standard errors, area under the dense validation
@@ -88,9 +90,10 @@ def get_config():
     c.task.num_train = 1024  # the setting that learned (64 prompts, 40 steps: +0.012; docs/results.md)
     c.task.num_eval = 16
     c.study = study_config()
-    c.study.arms = ("dense", "calibrated", "calibrated_low", "online_dense", "random_reward")
+    c.study.arms = ("dense", "calibrated", "calibrated_low", "calibrated_high", "online_dense", "random_reward")
     c.study.seeds = (0, 1)
     c.study.low_tau = 0.75  # the paper's collapse threshold, calibrated exactly as the main tau
+    c.study.high_tau = 0.92  # the paper's stable but slower threshold, the same way
     c.study.measure_speedup = True
     # after training: every arm's final dense policy and the warm-up on 128 held-out prompts (the 16 validation
     # prompts first) with one sampling key, so changes and gaps to the dense arm get paired errors

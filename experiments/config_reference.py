@@ -207,6 +207,7 @@ RULES: tuple[tuple[str, Any, dict[str, Any]], ...] = (
     ("study.arms", ("dense", "bogus"), {}),
     ("study.seeds", (0, 0), {}),
     ("study.low_tau", 0.9, {"study.arms": ("dense", "calibrated_low")}),
+    ("study.high_tau", 0.8, {"study.arms": ("dense", "calibrated_high")}),
 )
 
 

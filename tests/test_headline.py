@@ -3,6 +3,7 @@ refused study fields, the per-arm table over seeds against hand computations, he
 two-seed study (training stubbed) that resumes seed by seed."""
 import json
 import math
+import os
 
 import numpy as np
 import pytest
@@ -28,9 +29,10 @@ def test_new_arms_and_one_directory_per_seed():
         got = {arm: _arm_spec(spec, arm, seed) for arm in spec.study.arms}
         assert all(a.workdir == f"{spec.workdir}/{arm}/seed_{seed}" and a.seed == seed and a.study is None
                    for arm, a in got.items())
-        low = got["calibrated_low"]
-        assert (low.schedule.kind, low.schedule.path) == ("json", f"{spec.workdir}/calibrated_low/schedule.json")
-        assert low.calibration.tau == 0.75 and got["calibrated"].calibration.tau == spec.calibration.tau
+        for arm, tau in (("calibrated_low", 0.75), ("calibrated_high", 0.92)):
+            other = got[arm]
+            assert (other.schedule.kind, other.schedule.path) == ("json", f"{spec.workdir}/{arm}/schedule.json")
+            assert other.calibration.tau == tau and got["calibrated"].calibration.tau == spec.calibration.tau
         assert got["calibrated"].schedule.path == f"{spec.workdir}/schedule.json"
         assert got["random_reward"].schedule.kind == "dense" and got["random_reward"].train.random_reward
         assert not any(got[a].train.random_reward for a in ("dense", "calibrated", "calibrated_low", "online_dense"))
@@ -43,15 +45,16 @@ def test_new_arms_and_one_directory_per_seed():
 @pytest.mark.parametrize("field, value, arms", [
     ("seeds", (0, 0), None), ("seeds", (-1,), None), ("seeds", ("a",), None), ("seeds", (True,), None),
     ("low_tau", 0.9, None), ("low_tau", 0.0, None), ("low_tau", 0.86, None),
+    ("high_tau", 0.86, None), ("high_tau", 1.0, None), ("high_tau", 0.5, None),
     ("arms", ("dense", "bogus"), None)])
 def test_bad_study_fields_name_the_field(field, value, arms):
     with pytest.raises(ConfigError, match=f"study.{field}"):
         parse_spec(_config(**{field: value}))
 
 
-def test_low_tau_is_read_only_with_its_arm():
-    spec = parse_spec(_config(low_tau=0.95, arms=("dense", "calibrated")))
-    assert spec.study.low_tau == 0.95
+def test_low_and_high_tau_are_read_only_with_their_arms():
+    spec = parse_spec(_config(low_tau=0.95, high_tau=0.5, arms=("dense", "calibrated")))
+    assert (spec.study.low_tau, spec.study.high_tau) == (0.95, 0.5)
 
 
 def test_combine_seeds_adds_shared_prompt_error_and_between_seed_spread():
@@ -193,7 +196,7 @@ def test_headline_plot_writes_a_small_png(tmp_path):
 def test_two_seed_study_resumes_seed_by_seed_and_calibrates_the_low_arm(tmp_path, monkeypatch):
     """(arm, seed) runs in order, a finished one skipped; calibrated_low is calibrated once at low_tau
     into its own directory; the first seed's report keeps the measured speedup; the table holds
-    every arm over both seeds."""
+    every arm over both seeds; the finished study, rerun, adds its final evaluation, then an arm."""
     from sparrow_jax.io.metrics import MetricWriter
     from sparrow_jax.rollout import SparsitySchedule
     from sparrow_jax.run import study
@@ -216,10 +219,11 @@ def test_two_seed_study_resumes_seed_by_seed_and_calibrates_the_low_arm(tmp_path
                             "rollout/decode_s": 0.5, "rollout/sparse_token_fraction": 0.0})
         return arm_spec.workdir
 
-    def fake_calibrate(low_spec):
-        calibrations.append((low_spec.workdir, low_spec.calibration.tau))
-        (tmp_path / "calibrated_low").mkdir(exist_ok=True)
-        (tmp_path / "calibrated_low" / "schedule.json").write_text("{}")
+    def fake_calibrate(arm_cal_spec):
+        calibrations.append((arm_cal_spec.workdir, arm_cal_spec.calibration.tau))
+        os.makedirs(arm_cal_spec.workdir, exist_ok=True)
+        with open(os.path.join(arm_cal_spec.workdir, "schedule.json"), "w") as f:
+            f.write("{}")
 
     def fake_speedup(ctx, result):
         timed.append(result[len(str(tmp_path)) + 1:])
@@ -265,3 +269,13 @@ def test_two_seed_study_resumes_seed_by_seed_and_calibrates_the_low_arm(tmp_path
     assert evaluated[0]["random_reward"] == {s: f"{tmp_path}/random_reward/seed_{s}" for s in (0, 1)}
     fig = report["final_eval"]["reward_mean@4"]
     assert report["final_eval"]["prompts"] == 2 and fig["arms"]["random_reward"]["vs_dense"] == 0.0
+
+    # an arm added to the finished study later: calibrated at high_tau into its own directory, trained
+    # beside the finished arms (which stay untouched), then evaluated
+    runs.update({f"calibrated_high/seed_{s}": {"reward_mean@4": [0.5, 0.6], "reward_greedy": [1.0, 1.0]}
+                 for s in (0, 1)})
+    cfg.study.arms = ("dense", "calibrated_low", "calibrated_high", "random_reward")
+    report = run_pipeline(parse_spec(cfg))
+    assert trained == ["calibrated_high/seed_0", "calibrated_high/seed_1"]
+    assert calibrations[-1] == (f"{tmp_path}/calibrated_high", 0.92) and report["high_tau"] == 0.92
+    assert report["final_eval"]["reward_mean@4"]["arms"]["calibrated_high"]["vs_dense"] == pytest.approx(-0.05)

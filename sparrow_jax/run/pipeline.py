@@ -30,11 +30,10 @@ from sparrow_jax.parallel import is_primary
 from sparrow_jax.rl.trainer import TrainResult, actor_tail, lora_config, merge_lora_actor, train
 from sparrow_jax.run.calibration import calibrate_run
 from sparrow_jax.run.context import RunContext, build_run_context
-from sparrow_jax.run.final_eval import final_eval_pending
 from sparrow_jax.run.report import training_report, training_rows, val_series
 from sparrow_jax.run.specs import RunSpec
 from sparrow_jax.run.speed import measure_rollout_speedup
-from sparrow_jax.run.study import WITHOUT_LORA, print_study, run_arm, run_study, without_lora_spec
+from sparrow_jax.run.study import WITHOUT_LORA, print_study, run_arm, run_study, study_pending, without_lora_spec
 from sparrow_jax.run.workdir import REPORT_FILE, check_workdir, finished_report, write_config
 
 
@@ -122,7 +121,7 @@ def run_pipeline(spec: RunSpec) -> dict:
     A finished run's report is printed and returned as it is (nothing is written)."""
     check_workdir(spec)  # before anything is written: a workdir's run continues only under its own config
     done = finished_report(spec)
-    if done is not None and not final_eval_pending(spec, done):
+    if done is not None and not (spec.study is not None and study_pending(spec, done)):
         print(f"[report] {spec.workdir} has finished its {spec.steps} steps; its {REPORT_FILE}:", flush=True)
         (print_study if spec.study is not None else print_report)(done)
         return done

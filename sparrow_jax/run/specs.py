@@ -178,11 +178,12 @@ class MeshSpec:
 class StudySpec:
     aggressive_topk: int
     # arms run in order, same seeds; any of STUDY_ARMS (online_*: schedule.kind=online started dense,
-    # at the aggressive fixed budget, or calibrated with DistillSparse; calibrated_low: calibrated at
-    # low_tau; random_reward: dense rollouts learning from coin-flip rewards)
+    # at the aggressive fixed budget, or calibrated with DistillSparse; calibrated_low / calibrated_high:
+    # calibrated at low_tau / high_tau; random_reward: dense rollouts learning from coin-flip rewards)
     arms: tuple = ("dense", "calibrated", "aggressive")
     seeds: tuple = ()  # every arm runs once per seed (empty: the run's seed alone)
     low_tau: float = 0.75  # calibration.tau of the calibrated_low arm
+    high_tau: float = 0.92  # calibration.tau of the calibrated_high arm (paper: stable, slower)
     measure_speedup: bool = False  # paired rollout speedup of each arm's final schedule vs dense (first seed)
     # > 0: after training, every arm's final dense policy (each seed) and the starting one sampled densely
     # on this many held-out prompts, rewards per prompt (sparrow_jax.run.final_eval): paired errors
@@ -190,7 +191,7 @@ class StudySpec:
 
 
 STUDY_ARMS = ("dense", "calibrated", "aggressive", "online_dense", "online_aggressive", "online_distill",
-              "calibrated_low", "random_reward")
+              "calibrated_low", "calibrated_high", "random_reward")
 
 
 @_spec
@@ -394,8 +395,8 @@ def validate(spec: RunSpec) -> None:
 
 
 def _validate_study(spec: RunSpec) -> None:
-    """study.*: known distinct arms, distinct non-negative int seeds, a low tau below the main one, a final
-    evaluation on held-out rows only."""
+    """study.*: known distinct arms, distinct non-negative int seeds, a low tau below the main one and a
+    high one above it, a final evaluation on held-out rows only."""
     st = spec.study
     unknown = [a for a in st.arms if a not in STUDY_ARMS]
     _require(bool(st.arms) and not unknown and len(set(st.arms)) == len(st.arms), "study.arms", st.arms,
@@ -411,6 +412,9 @@ def _validate_study(spec: RunSpec) -> None:
     if "calibrated_low" in st.arms:  # read only by that arm
         _require(0 < st.low_tau < spec.calibration.tau, "study.low_tau", st.low_tau,
                  f"must be in (0, calibration.tau={spec.calibration.tau})")
+    if "calibrated_high" in st.arms:
+        _require(spec.calibration.tau < st.high_tau < 1, "study.high_tau", st.high_tau,
+                 f"must be in (calibration.tau={spec.calibration.tau}, 1)")
 
 
 def _validate_online(spec: RunSpec) -> None:

@@ -1,8 +1,8 @@
 """Arms: runs trained beside the main one with the same seeds and steps, each in its own workdir
 (:func:`run_arm`), whose figures are then read from their logs.
 
-The study: every arm of ``study.arms`` (dense rollouts, the calibrated schedule, the schedule
-calibrated at ``study.low_tau``, an aggressive fixed budget, the online controller started dense,
+The study: every arm of ``study.arms`` (dense rollouts, the calibrated schedule, the schedules
+calibrated at ``study.low_tau`` and ``study.high_tau``, an aggressive fixed budget, the online controller started dense,
 aggressive or calibrated with DistillSparse, and dense rollouts learning from random rewards), each
 in ``<workdir>/<arm>`` (with several ``study.seeds``, one run per seed in
 ``<workdir>/<arm>/seed_<s>``), and a table of their figures. A DistillSparse run with
@@ -29,7 +29,7 @@ from sparrow_jax.rl.context import RunContext
 from sparrow_jax.rl.trainer import TrainResult, train
 from sparrow_jax.run.calibration import calibrate_run
 from sparrow_jax.run.context import build_run_context, build_schedule
-from sparrow_jax.run.final_eval import evaluate_final, format_final_eval, paired_figures
+from sparrow_jax.run.final_eval import evaluate_final, final_eval_pending, format_final_eval, paired_figures
 from sparrow_jax.run.headline import SeedRun, arm_summary, relative_step_time
 from sparrow_jax.run.study_plots import plot_headline, plot_study
 from sparrow_jax.run.report import (generated_tokens_per_s, reward_start_end, reward_window, training_report,
@@ -48,23 +48,27 @@ def study_seeds(spec: RunSpec) -> tuple[int, ...]:
     return tuple(spec.study.seeds) or (spec.seed,)
 
 
-def _low_calibration_spec(spec: RunSpec) -> RunSpec:
-    """The calibration of the ``calibrated_low`` arm: the main one's at ``study.low_tau``, written
-    into ``<workdir>/calibrated_low``."""
-    return dataclasses.replace(spec, workdir=os.path.join(spec.workdir, "calibrated_low"), study=None,
-                               calibration=dataclasses.replace(spec.calibration, tau=spec.study.low_tau))
+_OTHER_TAU = {"calibrated_low": "low_tau", "calibrated_high": "high_tau"}  # arms calibrated at another tau
+
+
+def _tau_calibration_spec(spec: RunSpec, arm: str) -> RunSpec:
+    """The calibration of an arm of :data:`_OTHER_TAU`: the main one's at its tau (``study.low_tau``
+    or ``study.high_tau``), written into ``<workdir>/<arm>``."""
+    tau = getattr(spec.study, _OTHER_TAU[arm])
+    return dataclasses.replace(spec, workdir=os.path.join(spec.workdir, arm), study=None,
+                               calibration=dataclasses.replace(spec.calibration, tau=tau))
 
 
 def _arm_spec(spec: RunSpec, arm: str, seed: Optional[int] = None) -> RunSpec:
     """The run of one study arm at ``seed`` (default: the first of :func:`study_seeds`): its schedule
     (and DistillSparse for ``online_distill``, coin-flip rewards for ``random_reward``, tau
-    ``study.low_tau`` for ``calibrated_low``) in ``<workdir>/<arm>``, or ``<workdir>/<arm>/seed_<s>``
+    ``study.low_tau`` / ``study.high_tau`` for ``calibrated_low`` / ``calibrated_high``) in ``<workdir>/<arm>``, or ``<workdir>/<arm>/seed_<s>``
     with several seeds."""
     s, distill, cal, train_spec = spec.schedule, spec.distill, spec.calibration, spec.train
     schedule_dir = spec.workdir
-    if arm == "calibrated_low":
-        low = _low_calibration_spec(spec)
-        schedule_dir, cal = low.workdir, low.calibration
+    if arm in _OTHER_TAU:
+        other = _tau_calibration_spec(spec, arm)
+        schedule_dir, cal = other.workdir, other.calibration
     if arm == "random_reward":
         train_spec = dataclasses.replace(train_spec, random_reward=True)
     if arm in _ONLINE_START:
@@ -74,7 +78,7 @@ def _arm_spec(spec: RunSpec, arm: str, seed: Optional[int] = None) -> RunSpec:
             distill = dataclasses.replace(distill, enabled=True, compare_without=False)
     else:
         kind = {"dense": "dense", "calibrated": "json", "aggressive": "fixed", "calibrated_low": "json",
-                "random_reward": "dense"}[arm]
+                "calibrated_high": "json", "random_reward": "dense"}[arm]
         schedule = dataclasses.replace(s, kind=kind, path=os.path.join(schedule_dir, "schedule.json"),
                                        topk=spec.study.aggressive_topk)
     seeds = study_seeds(spec)
@@ -172,9 +176,16 @@ def _run_arm(spec: RunSpec, arm: str, seed: int, calibrated) -> SeedRun:
     return SeedRun(read_metrics(arm_spec.workdir), read_histograms(arm_spec.workdir), done)
 
 
+def study_pending(spec: RunSpec, report: dict) -> bool:
+    """Whether a finished study's ``report`` lacks an arm of ``study.arms`` (one added since) or the
+    final evaluation its spec asks for: rerun, the study trains and evaluates only what is missing."""
+    return set(spec.study.arms) != set(report.get("arms", {})) or final_eval_pending(spec, report)
+
+
 def run_study(spec: RunSpec) -> dict:
     """Train every (arm, seed) of ``study.arms`` x :func:`study_seeds` not yet finished (arm by arm,
-    seed by seed), calibrating ``calibrated_low`` at ``study.low_tau`` first when it has no schedule,
+    seed by seed), calibrating ``calibrated_low`` / ``calibrated_high`` at ``study.low_tau`` /
+    ``study.high_tau`` first when it has no schedule,
     then write ``<workdir>/report.json`` (the table under ``arms``, :func:`arm_summary` per arm, and
     with ``study.final_eval_prompts`` the paired final evaluation under ``final_eval``,
     :mod:`sparrow_jax.run.final_eval`), ``study.png`` (the first seed's steps) and ``headline.png``
@@ -185,10 +196,10 @@ def run_study(spec: RunSpec) -> dict:
     seeds = study_seeds(spec)
     runs: dict[str, dict[int, SeedRun]] = {}
     for arm in spec.study.arms:
-        if arm == "calibrated_low":
-            low = _low_calibration_spec(spec)
-            if not os.path.exists(os.path.join(low.workdir, "schedule.json")):
-                calibrate_run(low)
+        if arm in _OTHER_TAU:
+            other = _tau_calibration_spec(spec, arm)
+            if not os.path.exists(os.path.join(other.workdir, "schedule.json")):
+                calibrate_run(other)
         runs[arm] = {seed: _run_arm(spec, arm, seed, calibrated) for seed in seeds}
     num_prompts = runs[spec.study.arms[-1]][seeds[-1]].report["train_prompts"]
     seed_rows = {a: [training_rows(run.records) for run in by_seed.values()] for a, by_seed in runs.items()}
@@ -208,8 +219,9 @@ def run_study(spec: RunSpec) -> dict:
     report = {"arms": table, "seeds": list(seeds), "tau": spec.calibration.tau,
               "calibrated_topk": list(calibrated.topk), "aggressive_topk": spec.study.aggressive_topk,
               "steps": spec.steps}
-    if "calibrated_low" in runs:
-        report["low_tau"] = spec.study.low_tau
+    for arm, field in _OTHER_TAU.items():
+        if arm in runs:
+            report[field] = getattr(spec.study, field)
     if spec.study.final_eval_prompts:
         workdirs = {a: {s: _arm_spec(spec, a, s).workdir for s in seeds} for a in runs}
         report["final_eval"] = paired_figures(evaluate_final(spec, workdirs))

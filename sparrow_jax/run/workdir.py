@@ -22,10 +22,11 @@ from sparrow_jax.run.specs import ConfigError, RunSpec
 CONFIG_FILE = "config.json"
 # Fields a continued run may change: where it lives, how long it runs (more steps extend it), how
 # often it saves and evaluates, the device mesh it runs on (checkpoints restore resharded), and
-# dry_run (a dry run stops before the workdir is touched), and the study's final evaluation (it reads
-# the finished arms, trains nothing).
+# dry_run (a dry run stops before the workdir is touched), a study's arms (each arm's run is set by
+# the rest of the config, so arms added later run beside the finished ones, unchanged), and its
+# final evaluation (it reads the finished arms, trains nothing).
 CONTINUABLE = ("workdir", "steps", "checkpoint_every", "keep_checkpoints", "eval_every", "mesh", "dry_run",
-               "study.final_eval_prompts")
+               "study.arms", "study.final_eval_prompts")
 
 
 def run_state(workdir: str) -> list[str]:
