@@ -62,8 +62,8 @@ def _tau_calibration_spec(spec: RunSpec, arm: str) -> RunSpec:
 def _arm_spec(spec: RunSpec, arm: str, seed: Optional[int] = None) -> RunSpec:
     """The run of one study arm at ``seed`` (default: the first of :func:`study_seeds`): its schedule
     (and DistillSparse for ``online_distill``, coin-flip rewards for ``random_reward``, tau
-    ``study.low_tau`` / ``study.high_tau`` for ``calibrated_low`` / ``calibrated_high``) in ``<workdir>/<arm>``, or ``<workdir>/<arm>/seed_<s>``
-    with several seeds."""
+    ``study.low_tau`` / ``study.high_tau`` for ``calibrated_low`` / ``calibrated_high``) in
+    ``<workdir>/<arm>``, or ``<workdir>/<arm>/seed_<s>`` with several seeds."""
     s, distill, cal, train_spec = spec.schedule, spec.distill, spec.calibration, spec.train
     schedule_dir = spec.workdir
     if arm in _OTHER_TAU:
