@@ -135,6 +135,22 @@ def test_a_field_added_since_a_run_started_is_continuable_at_its_default(tmp_pat
     with pytest.raises(ValueError, match=r"^--config\.workdir=.*task\.gap_tokens: 0 -> 8"):
         check_workdir(parse_spec(cfg))
 
+    # the same inside an optional block (study): a study started before study.high_tau existed
+    from configs.common import study_config
+
+    study = tmp_path / "study"
+    cfg = get_config()
+    cfg.workdir, cfg.study = str(study), study_config()
+    write_config(parse_spec(cfg))
+    os.makedirs(study / "checkpoints")
+    old = json.loads((study / "config.json").read_text())
+    del old["study"]["high_tau"]
+    (study / "config.json").write_text(json.dumps(old))
+    check_workdir(parse_spec(cfg))
+    cfg.study.high_tau = 0.95
+    with pytest.raises(ValueError, match=r"study\.high_tau: 0\.92 -> 0\.95"):
+        check_workdir(parse_spec(cfg))
+
 
 def test_recurrence_trace_knobs_reach_its_generator_and_pointer_knobs_do_not():
     from sparrow_jax.data.registry import get_task

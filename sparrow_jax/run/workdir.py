@@ -57,12 +57,16 @@ def config_differences(old: Any, new: Any, prefix: str = "") -> list[str]:
 def _with_new_defaults(old: dict, spec: RunSpec) -> dict:
     """``old`` (a ``config.json``) with the spec fields added since it was written set to their
     defaults: a field the code gained later, left at its default, changes nothing of the run."""
+    def spec_class(hint) -> Optional[type]:  # a dataclass field type, Optional[...] unwrapped
+        options = [a for a in typing.get_args(hint) if a is not type(None)] if typing.get_args(hint) else [hint]
+        return options[0] if len(options) == 1 and dataclasses.is_dataclass(options[0]) else None
+
     def fill(cls: type, node: dict) -> None:
         hints = typing.get_type_hints(cls)
         for f in dataclasses.fields(cls):
-            if dataclasses.is_dataclass(hints[f.name]):
-                if isinstance(node.get(f.name), dict):
-                    fill(hints[f.name], node[f.name])
+            if spec_class(hints[f.name]) is not None:
+                if isinstance(node.get(f.name), dict):  # an optional block (study) the config left None stays None
+                    fill(spec_class(hints[f.name]), node[f.name])
             elif f.name not in node and f.default is not dataclasses.MISSING:
                 node[f.name] = json.loads(json.dumps(f.default))
 
