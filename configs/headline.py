@@ -23,10 +23,10 @@ RL: 100 GRPO steps of 32 rollouts (8 prompts x 4) from 1024 training prompts at 
 ended at each completion's first wrong line (``train.reward_horizon_mask``: without it no setting
 tried learned, docs/results.md); the dense policy validated densely every 20 steps on 16 held-out
 prompts x 4 samples; after training, every arm's final dense policy on 128 held-out prompts, paired
-(``study.final_eval_prompts``). Measured (docs/results.md, ~2.5 h on 2 cores): dense rollouts raise
+(``study.final_eval_prompts``). Measured (docs/results.md, ~3 h on 2 cores): dense rollouts raise
 the dense held-out reward by 0.036 +- 0.011 in 100 steps; the tau = 0.86 schedule by half that
-(0.018 below the dense arm, 2 SE), its samples scoring less than half the dense ones; the tau = 0.75
-schedule collapses it (0.27 -> 0.06).
+(0.018 below the dense arm, 2 SE), its samples scoring less than half the dense ones; tau = 0.92 no
+better (+0.006 +- 0.008); the tau = 0.75 schedule collapses it (0.27 -> 0.06).
 
 The warm-up below ships (sparrow_jax/sft/checkpoints/headline; ``--noshipped`` retrains it, ~40
 min on 2 cores): a 2200-step dense curriculum, then a 300-step refine on the task's rows whose loss
