@@ -98,14 +98,21 @@ def test_evaluate_final_pairs_every_policy_on_the_same_prompts_and_key_and_resum
     assert (fig["change"], fig["change_se"]) == (0.0, 0.0)
 
     calls = []
-    monkeypatch.setattr(final_eval, "evaluate_per_prompt", lambda *a, **k: calls.append(a))
+
+    def counted(ctx, params, schedule, rows, k, key):
+        calls.append(params)
+        return {name: np.zeros(len(rows)) for name in ("reward_greedy", "reward_mean@2", "success@2")}
+
+    monkeypatch.setattr(final_eval, "evaluate_per_prompt", counted)
     assert evaluate_final(spec, {a: {s: str(w) for s, w in by.items()} for a, by in workdirs.items()}) == data
     assert calls == []  # every policy was evaluated: nothing runs again
     data["runs"].pop("dense/seed_1")  # as if interrupted before the last one
     (tmp_path / FINAL_EVAL_FILE).write_text(json.dumps(data))
-    monkeypatch.undo()
     again = evaluate_final(spec, {a: {s: str(w) for s, w in by.items()} for a, by in workdirs.items()})
-    assert set(again["runs"]) == set(data["runs"]) | {"dense/seed_1"}
+    assert len(calls) == 1 and set(again["runs"]) == set(data["runs"]) | {"dense/seed_1"}
+    seed_1_start = build_model(spec.model, spec.task, ctx.tokenizer, 1)[1]
+    for got, want in zip(jax.tree.leaves(calls[0]), jax.tree.leaves(seed_1_start)):  # the dense arm's seed-1 policy
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want) * 0.5)
 
 
 def test_final_eval_rows_extend_the_validation_prompts_and_never_meet_training(tmp_path):
