@@ -10,9 +10,10 @@ stable threshold 0.92?
 Arms, each at seeds 0 and 1 with the same prompts (``runs/headline/<arm>/seed_<s>``): dense
 rollouts; the schedule calibrated at tau = 0.86 (``runs/headline/schedule.json``); the schedule
 calibrated the same way at ``study.low_tau`` = 0.75 (``runs/headline/calibrated_low/``) and at
-``study.high_tau`` = 0.92 (``runs/headline/calibrated_high/``, added to the finished study later: arms
-are continuable); the online controller started dense; and the random-reward control (dense rollouts whose update learns
-from coin flips with the batch's mean reward: a held-out gain there is not from the reward).
+``study.high_tau`` = 0.92 (``runs/headline/calibrated_high/``, added to the finished study later:
+arms are continuable); the online controller started dense; and the random-reward control (dense
+rollouts whose update learns from coin flips with the batch's mean reward: a held-out gain there is
+not from the reward).
 Resumable arm by arm and seed by seed. Writes ``runs/headline/report.json`` (per arm over seeds:
 dense held-out reward start / end / change with standard errors, area under the dense validation
 curve, sampled reward, pooled and worst-step per-bin p5, generated tokens per rollout second,

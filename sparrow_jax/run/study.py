@@ -2,9 +2,9 @@
 (:func:`run_arm`), whose figures are then read from their logs.
 
 The study: every arm of ``study.arms`` (dense rollouts, the calibrated schedule, the schedules
-calibrated at ``study.low_tau`` and ``study.high_tau``, an aggressive fixed budget, the online controller started dense,
-aggressive or calibrated with DistillSparse, and dense rollouts learning from random rewards), each
-in ``<workdir>/<arm>`` (with several ``study.seeds``, one run per seed in
+calibrated at ``study.low_tau`` and ``study.high_tau``, an aggressive fixed budget, the online
+controller started dense, aggressive or calibrated with DistillSparse, and dense rollouts learning
+from random rewards), each in ``<workdir>/<arm>`` (with several ``study.seeds``, one run per seed in
 ``<workdir>/<arm>/seed_<s>``), and a table of their figures. A DistillSparse run with
 ``distill.compare_without`` has one arm, the same RL without the LoRA in
 ``<workdir>/without_distill`` (:func:`without_lora_spec`), which the pipeline trains before its
@@ -185,8 +185,7 @@ def study_pending(spec: RunSpec, report: dict) -> bool:
 def run_study(spec: RunSpec) -> dict:
     """Train every (arm, seed) of ``study.arms`` x :func:`study_seeds` not yet finished (arm by arm,
     seed by seed), calibrating ``calibrated_low`` / ``calibrated_high`` at ``study.low_tau`` /
-    ``study.high_tau`` first when it has no schedule,
-    then write ``<workdir>/report.json`` (the table under ``arms``, :func:`arm_summary` per arm, and
+    ``study.high_tau`` first when it has no schedule, then write ``<workdir>/report.json`` (the table under ``arms``, :func:`arm_summary` per arm, and
     with ``study.final_eval_prompts`` the paired final evaluation under ``final_eval``,
     :mod:`sparrow_jax.run.final_eval`), ``study.png`` (the first seed's steps) and ``headline.png``
     from the arms' logs."""

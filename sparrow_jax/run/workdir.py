@@ -64,9 +64,10 @@ def _with_new_defaults(old: dict, spec: RunSpec) -> dict:
     def fill(cls: type, node: dict) -> None:
         hints = typing.get_type_hints(cls)
         for f in dataclasses.fields(cls):
-            if spec_class(hints[f.name]) is not None:
+            block = spec_class(hints[f.name])
+            if block is not None:
                 if isinstance(node.get(f.name), dict):  # an optional block (study) the config left None stays None
-                    fill(spec_class(hints[f.name]), node[f.name])
+                    fill(block, node[f.name])
             elif f.name not in node and f.default is not dataclasses.MISSING:
                 node[f.name] = json.loads(json.dumps(f.default))
 
