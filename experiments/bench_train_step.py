@@ -8,16 +8,20 @@ both sparse, quest pages of 16, random weights) on ``rows x length`` random toke
 ``--tokens_per_step // length``: 16 rows at 1.5K as in the quickstart), prompts the first 56%
 of each row (888 of 1592 in the quickstart), a sparse schedule of ``--topk`` pages. One jitted
 ``train_step`` per side: ``reference`` (``StepOptions.attention_impl="reference"``, the chunked
-XLA attention) and ``fast`` (``auto``: the C++ flash kernel on CPU, cuDNN on GPU, Pallas on TPU).
+XLA attention, the sparse scorer recomputing every position) and ``fast`` (``auto``: the C++
+flash kernel on CPU, cuDNN on GPU, Pallas on TPU; the sparse scorer takes the prompt prefix's
+keys and values from the dense pass, ``shared_prefix`` as the trainer sets it).
 ``--model <Qwen3 preset>``: one decoder layer of that shape in bfloat16, forward + backward of
 ``dense_hidden`` instead (the attention-bound part of the step at long contexts).
 
 Both sides run once untimed (compilation), then alternate ``--repeats`` times; the median
-is reported. GFLOP/s count the same useful FLOPs for both sides (:func:`step_flops`: matmuls
-of the weights and of causal attention over the keys each query sees; the backward pass
-twice the forward). ``matmul_peak_gflops``: the best of a ``--peak_size``-square float32
-matmul timed in the same run, before and after. The last stdout line is JSON with both
-sides, their ratio per length and ``fast_fraction_of_peak``.
+is reported. GFLOP/s count the same model FLOPs for both sides (:func:`step_flops`: matmuls
+of the weights and of causal attention over the keys each query sees, every position through
+every pass; the backward pass twice the forward). The fast side skips some of them (the prompt's
+queries in the dense pass's last layer and in the sparse scorer, whose outputs nothing reads or
+which the dense pass has), so its rate is an effective one. ``matmul_peak_gflops``: the best of
+a ``--peak_size``-square float32 matmul timed in the same run, before and after. The last stdout
+line is JSON with both sides, their ratio per length and ``fast_fraction_of_peak``.
 """
 from __future__ import annotations
 
@@ -32,7 +36,8 @@ from absl import flags
 from sparrow_jax.models.config import Qwen3Config
 from sparrow_jax.models.forward import dense_hidden
 from sparrow_jax.models.qwen3 import init_params
-from sparrow_jax.rl.train_step import Batch, StepOptions, init_train_state, make_optimizer, train_step
+from sparrow_jax.rl.train_step import (Batch, StepOptions, init_train_state, make_optimizer, shared_prefix_len,
+                                       train_step)
 from sparrow_jax.rollout import SparsitySchedule
 from sparrow_jax.run.cli import parse_flags
 from sparrow_jax.run.speed import alternate, seconds
@@ -101,12 +106,13 @@ def _train_step_runner(config, schedule, rows, length, impl, seed=0):
     params = init_params(config, seed)
     opts = StepOptions(attention_impl=impl, bin_width=schedule.bin_width,
                        num_bins=max(1, -(-length // schedule.bin_width)))
+    shared_prefix = shared_prefix_len(np.asarray(batch.prompt_lens), opts=opts)  # as the trainer sets it
 
     def run():
         state = init_train_state(jax.tree.map(jnp.copy, params), optimizer)
         jax.block_until_ready(state)
         return seconds(lambda: train_step(state, batch, config=config, optimizer=optimizer, schedule=schedule,
-                                         opts=opts)[2])
+                                         opts=opts, shared_prefix=shared_prefix)[2])
     return run
 
 

@@ -16,7 +16,7 @@ from sparrow_jax.attention.blockwise import _Pages, _plan, blockwise_attention, 
 from sparrow_jax.attention.flash_cpu import flash_attention_cpu
 from sparrow_jax.attention.whole_sequence import resolve_causal_impl, whole_sequence_attention
 from sparrow_jax.models.config import tiny_config
-from sparrow_jax.models.forward import sparse_hidden
+from sparrow_jax.models.forward import dense_hidden, dense_hidden_and_prefix_kv, sparse_hidden
 from sparrow_jax.models.qwen3 import init_params
 from sparrow_jax.rollout.schedule import SparsitySchedule
 
@@ -246,3 +246,54 @@ def test_sparse_page_selection_cpu_select_is_slot_for_slot_xla(selector):
     for a, b in zip(xla, cpu):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     assert int(jnp.sum(xla[1])) > 2 * 90  # the selection is not all reserved pages
+
+
+@pytest.mark.parametrize("impl", ["reference", "blockwise", "cpu"])
+@pytest.mark.parametrize("paged", [False, True])
+def test_queries_from_gives_the_later_rows_and_their_gradients(impl, paged):
+    """``queries_from``: rows below it are 0 and contribute no gradient; every later row, and the
+    gradient of any function of them, equals the full attention's (the CPU kernel skips the
+    first query blocks forward and backward)."""
+    b, t, hkv, start = 2, 150, 2, 64
+    q, k, v, w = _inputs(15, b=b, t=t, hkv=hkv)
+    kw = {}
+    if paged:
+        idx, valid = _random_selection(16, b, hkv, t, 4, 5, False)
+        kw = dict(page_idx=idx, page_valid=valid, page_size=4, dense_before=jnp.array([100, 20], jnp.int32))
+    later = (np.arange(t) >= start)[None, :, None, None]
+    full = jax.jit(lambda *a: _value_and_grads(functools.partial(whole_sequence_attention, impl="reference",
+                                                                 chunk=32, **kw), *a))(q, k, v, w * later)
+    got = jax.jit(lambda *a: _value_and_grads(functools.partial(whole_sequence_attention, impl=impl,
+                                                                queries_from=start, **kw), *a))(q, k, v, w)
+    assert float(jnp.max(jnp.abs(got[0][:, :start]))) == 0.0
+    assert max(_max_diffs((full[0] * later, *full[1:]), got)) <= TOL
+    assert float(jnp.max(jnp.abs(got[1][:, :start]))) == 0.0  # no query gradient below it
+
+
+def test_cpu_kernel_rejects_queries_from_off_its_tiles():
+    q, k, v, _ = _inputs(17, t=150)
+    for bad in (32, 192, -64):
+        with pytest.raises(ValueError, match="queries_from must be a multiple of 64"):
+            flash_attention_cpu(q, k, v, queries_from=bad)
+
+
+@pytest.mark.parametrize("impl", ["reference", "cpu"])
+def test_sparse_hidden_from_the_dense_prefix_kv_matches_the_full_scorer(impl):
+    """The sparse scorer from the dense pass's prompt-prefix keys and values: its hidden states of
+    the later positions equal the full scorer's, and the dense pass's own later hidden states
+    (its last layer skipping the prefix's queries) equal :func:`dense_hidden`'s. Ragged prompts,
+    the prefix below every row's dense prefill, a dense layer among sparse ones."""
+    config = tiny_config(num_hidden_layers=3)
+    params = init_params(config, seed=7)
+    schedule = SparsitySchedule(topk=(1, 2, 3), bin_width=32, page_size=8, dense_layers=(1,), selector="quest")
+    tokens = jnp.asarray(np.random.RandomState(8).randint(0, config.vocab_size, (3, 200)), jnp.int32)
+    prompt_lens = jnp.array([70, 130, 66], jnp.int32)
+    prefix = 64
+    full = sparse_hidden(config, params, tokens, schedule, prompt_lens=prompt_lens, impl=impl)
+    hidden, kv = dense_hidden_and_prefix_kv(config, params, tokens, prefix, impl=impl)
+    assert len(kv) == 3 and kv[0][0].shape == (3, prefix, 2, config.head_dim)
+    assert float(jnp.max(jnp.abs(hidden - dense_hidden(config, params, tokens, impl=impl)[:, prefix:]))) <= TOL
+    got = sparse_hidden(config, params, tokens, schedule, prompt_lens=prompt_lens, impl=impl, prefix_kv=kv)
+    assert got.shape == (3, 200 - prefix, config.hidden_size)
+    assert float(jnp.max(jnp.abs(got - full[:, prefix:]))) <= TOL
+    assert float(jnp.max(jnp.abs(got - hidden))) > 1e-3  # sparse attention did change them

@@ -30,20 +30,25 @@ def flash_cpu_supports(head_dim: int) -> bool:
 
 def flash_attention_cpu(q: jax.Array, k: jax.Array, v: jax.Array, *, page_idx: Optional[jax.Array] = None,
                         page_valid: Optional[jax.Array] = None, page_size: int = 16,
-                        dense_before: Optional[jax.Array] = None) -> jax.Array:
+                        dense_before: Optional[jax.Array] = None, queries_from: int = 0) -> jax.Array:
     """Causal attention. q [B, T, H, D]; k, v [B, T, Hkv, D] -> [B, T, H, D] in q's dtype.
 
     Query t attends keys 0..t with scale D ** -0.5. With ``page_idx`` / ``page_valid``
     ([B, Hkv, T, N], a selection per query as the sampler makes it) only keys of its valid
     selected pages (``page_size`` must divide 64); ``dense_before`` [B]: queries below it read
-    every page. A query reading no key gives 0. Differentiable in q, k, v. Raises RuntimeError
-    where the CPU kernel is unavailable, ValueError on inputs it does not take.
+    every page. A query reading no key gives 0. ``queries_from`` (static, a multiple of 64):
+    queries below it are not computed and give 0 (a caller that has them already, or does not
+    read them). Differentiable in q, k, v. Raises RuntimeError where the CPU kernel is
+    unavailable, ValueError on inputs it does not take.
     """
     b, t, h, d = q.shape
     hkv = k.shape[2]
     paged = check_whole_sequence_inputs(q, k, v, page_idx, page_valid, dense_before)
     if d % 8:
         raise ValueError(f"flash_attention_cpu needs head_dim a multiple of 8, got {d}")
+    if queries_from % BLOCK or not 0 <= queries_from <= t:
+        raise ValueError(f"flash_attention_cpu: queries_from must be a multiple of {BLOCK} in [0, {t}], "
+                         f"got {queries_from}")
     if paged and BLOCK % page_size:
         raise ValueError(f"flash_attention_cpu needs page_size dividing {BLOCK}, got {page_size}")
     if not cpu_kernel_available():
@@ -60,7 +65,8 @@ def flash_attention_cpu(q: jax.Array, k: jax.Array, v: jax.Array, *, page_idx: O
     else:
         pages = _Pages(jnp.zeros((b, hkv, tp, 0), jnp.int32), jnp.zeros((b, hkv, tp, 0), bool),
                        jnp.zeros((b,), jnp.int32))
-    out = _flash(qg, kt, vt, pages, page_size if paged else 1)
+    page_size = page_size if paged else 1
+    out = _flash(qg, kt, vt, pages, page_size, queries_from)
     return out.transpose(0, 2, 1, 3, 4).reshape(b, tp, h, d)[:, :t].astype(q.dtype)
 
 
@@ -70,32 +76,33 @@ class _Pages(NamedTuple):
     dense_before: jax.Array  # int32 [B]
 
 
-def _attributes(qg, page_size: int) -> dict:
-    return dict(scale=np.float32(qg.shape[-1] ** -0.5), page_size=np.int64(page_size))
+def _attributes(qg, page_size: int, queries_from: int) -> dict:
+    return dict(scale=np.float32(qg.shape[-1] ** -0.5), page_size=np.int64(page_size),
+                queries_from=np.int64(queries_from))
 
 
-def _forward(qg, kt, vt, pages: _Pages, page_size: int):
+def _forward(qg, kt, vt, pages: _Pages, page_size: int, queries_from: int):
     b, hkv, tp, g, _ = qg.shape
     shapes = (jax.ShapeDtypeStruct(qg.shape, jnp.float32), jax.ShapeDtypeStruct((b, hkv, tp, g), jnp.float32))
     return jax.ffi.ffi_call(FLASH_FORWARD_TARGET, shapes, vmap_method="sequential")(
-        qg, kt, vt, *pages, **_attributes(qg, page_size))
+        qg, kt, vt, *pages, **_attributes(qg, page_size, queries_from))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
-def _flash(qg, kt, vt, pages: _Pages, page_size: int):
-    return _forward(qg, kt, vt, pages, page_size)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def _flash(qg, kt, vt, pages: _Pages, page_size: int, queries_from: int):
+    return _forward(qg, kt, vt, pages, page_size, queries_from)[0]
 
 
-def _flash_fwd(qg, kt, vt, pages, page_size):
-    out, lse = _forward(qg, kt, vt, pages, page_size)
+def _flash_fwd(qg, kt, vt, pages, page_size, queries_from):
+    out, lse = _forward(qg, kt, vt, pages, page_size, queries_from)
     return out, (qg, kt, vt, pages, out, lse)
 
 
-def _flash_bwd(page_size, res, dout):
+def _flash_bwd(page_size, queries_from, res, dout):
     qg, kt, vt, pages, out, lse = res
     shapes = tuple(jax.ShapeDtypeStruct(x.shape, jnp.float32) for x in (qg, kt, vt))
     grads = jax.ffi.ffi_call(FLASH_BACKWARD_TARGET, shapes, vmap_method="sequential")(
-        qg, kt, vt, *pages, out, lse, dout.astype(jnp.float32), **_attributes(qg, page_size))
+        qg, kt, vt, *pages, out, lse, dout.astype(jnp.float32), **_attributes(qg, page_size, queries_from))
     return (*grads, jax.tree.map(lambda _: None, pages))
 
 

@@ -86,27 +86,39 @@ def resolve_causal_impl(impl: str, *, dtype, head_dim: int, seq_len: int, paged:
 def whole_sequence_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, impl: str = "auto",
                              page_idx: Optional[jax.Array] = None, page_valid: Optional[jax.Array] = None,
                              page_size: int = 16, dense_before: Optional[jax.Array] = None,
-                             chunk: Optional[int] = None) -> jax.Array:
+                             chunk: Optional[int] = None, queries_from: int = 0) -> jax.Array:
     """Causal attention. q [B, T, H, D]; k, v [B, T, Hkv, D] -> [B, T, H, D] in q's dtype.
 
     Query t attends keys 0..t; with ``page_idx`` / ``page_valid`` [B, Hkv, T, N] (a
     selection per query) only keys of its valid selected pages; ``dense_before`` [B]: queries
     below it attend every page. ``chunk``: the query chunk of ``reference`` (default 256) and
     the query / key tile of ``blockwise`` (default ``blockwise.default_block``: 64 on CPU, 128
-    elsewhere; a multiple of ``page_size`` with pages).
+    elsewhere; a multiple of ``page_size`` with pages). ``queries_from`` (static, a multiple of 64):
+    the outputs of queries below it are 0, for a caller that has them already (the ``cpu`` kernel
+    skips them; other paths compute and drop them).
     """
     paged = page_idx is not None
     b, t, h, d = q.shape
     impl = resolve_causal_impl(impl, dtype=q.dtype, head_dim=d, seq_len=t, paged=paged, page_size=page_size)
+    if impl == "cpu":
+        return flash_attention_cpu(q, k, v, page_idx=page_idx, page_valid=page_valid, page_size=page_size,
+                                   dense_before=dense_before, queries_from=queries_from)
+    out = _attention(q, k, v, impl, page_idx, page_valid, page_size, dense_before, chunk)
+    if queries_from:
+        out = jnp.where((jnp.arange(t) < queries_from)[None, :, None, None], jnp.zeros_like(out), out)
+    return out
+
+
+def _attention(q, k, v, impl: str, page_idx, page_valid, page_size: int, dense_before, chunk):
+    """:func:`whole_sequence_attention` on a resolved ``impl`` other than ``cpu``."""
+    paged = page_idx is not None
+    h, d = q.shape[2], q.shape[3]
     if impl == "blockwise":
         return blockwise_attention(q, k, v, block=chunk, page_idx=page_idx, page_valid=page_valid,
                                    page_size=page_size, dense_before=dense_before)
     if impl == "reference":
         mask_fn = None if not paged else _page_mask_fn(page_idx, page_valid, page_size, dense_before)
         return causal_attention(q, k, v, chunk=chunk or 256, page_mask_fn=mask_fn, page_size=page_size)
-    if impl == "cpu":
-        return flash_attention_cpu(q, k, v, page_idx=page_idx, page_valid=page_valid, page_size=page_size,
-                                   dense_before=dense_before)
     if impl == "cudnn":
         return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
     flash = _pallas_tpu_flash()  # [B, H, T, D] layout, as many KV heads as query heads

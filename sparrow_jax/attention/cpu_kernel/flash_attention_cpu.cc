@@ -6,8 +6,11 @@
 //   attributes scale, page_size (divides kBlock)  ->  out [B, Hkv, T, G, D], lse [B, Hkv, T, G].
 //   Query t attends keys 0..t; with N > 0 only keys of its valid selected pages (every page
 //   when t < dense_before[b]: the prompt the sampler prefilled densely). lse is the
-//   log-sum-exp of its scaled scores (kEmptyLse and out 0 where it reads no key).
-// SparrowFlashBackwardCpu: q, k, v, the page sets, out, lse, dout  ->  dq, dk, dv.
+//   log-sum-exp of its scaled scores (kEmptyLse and out 0 where it reads no key). Attribute
+//   queries_from (a multiple of kBlock): queries below it are not computed (out and lse 0), for a
+//   caller that has them already or does not read them (a prompt prefix).
+// SparrowFlashBackwardCpu: q, k, v, the page sets, out, lse, dout  ->  dq, dk, dv (queries below
+//   queries_from contribute nothing: their outputs were the constant 0).
 //
 // Why a custom call: XLA:CPU runs the blockwise attention's small tile products (64 x 64 x 32)
 // at 12-43 GFLOP/s on a 181 GFLOP/s machine, and writes every tile's scores and probabilities
@@ -293,8 +296,8 @@ void ForwardBlock(const Dims& s, const Pages& pg, int64_t pair, const float* q, 
 // With qs = scale q: S = qs k^T, P = exp(S - lse), dS = P (dP - rowsum(dO O)), dK = dS^T qs,
 // dQ = scale dS k (computed in log2 units, qs carrying log2 e).
 void BackwardPair(const Dims& s, const Pages& pg, int64_t pair, const float* q, const float* k, const float* v,
-                  const float* out, const float* lse, const float* dout, float scale, float* dq, float* dk, float* dv,
-                  std::vector<float>& work, std::vector<uint8_t>& allowed_buf) {
+                  const float* out, const float* lse, const float* dout, float scale, int64_t first_block, float* dq,
+                  float* dk, float* dv, std::vector<float>& work, std::vector<uint8_t>& allowed_buf) {
   const int64_t rows = s.Rows(), dim = s.dim, all_rows = s.tokens * s.groups, pages = s.tokens / pg.page_size;
   work.resize(2 * rows * kBlock + 3 * dim * kBlock + rows * dim + all_rows);
   float* p = work.data();
@@ -324,7 +327,7 @@ void BackwardPair(const Dims& s, const Pages& pg, int64_t pair, const float* q, 
     float* dvj = dv + j * kBlock * dim;
     TransposeTile(kj, dim, kt);
     TransposeTile(v + j * kBlock * dim, dim, vt);
-    for (int64_t i = j; i < s.Blocks(); ++i) {
+    for (int64_t i = std::max(j, first_block); i < s.Blocks(); ++i) {  // blocks below first_block: output 0
       const uint8_t* block_allowed = allowed == nullptr ? nullptr : allowed + i * kBlock * pages;
       if (block_allowed != nullptr && !TileUsed(block_allowed, pages, pg.page_size, j)) continue;
       const int64_t r0 = i * rows;
@@ -373,6 +376,13 @@ ffi::Error CheckDims(ffi::Buffer<ffi::F32>& q, ffi::Buffer<ffi::F32>& k, ffi::Bu
   return ffi::Error::Success();
 }
 
+ffi::Error CheckQueriesFrom(const Dims& s, int64_t queries_from) {
+  if (queries_from < 0 || queries_from % kBlock || queries_from > s.tokens) {
+    return ffi::Error::InvalidArgument("flash_attention_cpu: queries_from must be a multiple of 64 within T");
+  }
+  return ffi::Error::Success();
+}
+
 // page_idx / page_valid [B, Hkv, T, N], dense_before [B]; N == 0: dense attention.
 ffi::Error ReadPages(const Dims& s, ffi::Buffer<ffi::S32>& idx, ffi::Buffer<ffi::PRED>& valid,
                      ffi::Buffer<ffi::S32>& dense_before, int64_t page_size, Pages* pg) {
@@ -397,20 +407,27 @@ ffi::Error ReadPages(const Dims& s, ffi::Buffer<ffi::S32>& idx, ffi::Buffer<ffi:
 
 ffi::Error ForwardImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
                        ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::S32> page_idx, ffi::Buffer<ffi::PRED> page_valid,
-                       ffi::Buffer<ffi::S32> dense_before, float scale, int64_t page_size,
+                       ffi::Buffer<ffi::S32> dense_before, float scale, int64_t page_size, int64_t queries_from,
                        ffi::ResultBuffer<ffi::F32> out, ffi::ResultBuffer<ffi::F32> lse) {
   Dims s;
   Pages pg;
   if (auto err = CheckDims(q, k, v, &s); err.failure()) return err;
   if (auto err = ReadPages(s, page_idx, page_valid, dense_before, page_size, &pg); err.failure()) return err;
+  if (auto err = CheckQueriesFrom(s, queries_from); err.failure()) return err;
   const float *qp = q.typed_data(), *kp = k.typed_data(), *vp = v.typed_data();
   float *op = out->typed_data(), *lp = lse->typed_data();
-  const int64_t blocks = s.Blocks(), rows = s.Rows();
+  const int64_t blocks = s.Blocks(), rows = s.Rows(), first = queries_from / kBlock, computed = blocks - first;
+  // Query blocks below queries_from are not computed (the caller has them or does not read them): 0.
+  for (int64_t pair = 0; pair < s.batch * s.kv_heads; ++pair) {
+    const int64_t r0 = pair * s.tokens * s.groups;
+    std::fill(op + r0 * s.dim, op + (r0 + first * rows) * s.dim, 0.0f);
+    std::fill(lp + r0, lp + r0 + first * rows, 0.0f);
+  }
   // Largest blocks first (they read the most key tiles), so the last items to finish are short.
-  ParallelFor(pool, s.batch * s.kv_heads * blocks, [=](int64_t item) {
+  ParallelFor(pool, s.batch * s.kv_heads * computed, [=](int64_t item) {
     thread_local std::vector<float> work;
     thread_local std::vector<uint8_t> allowed;
-    const int64_t pair = item / blocks, block = blocks - 1 - item % blocks;
+    const int64_t pair = item / computed, block = blocks - 1 - item % computed;
     const int64_t r0 = pair * s.tokens * s.groups + block * rows;
     ForwardBlock(s, pg, pair, qp + r0 * s.dim, kp + pair * s.tokens * s.dim, vp + pair * s.tokens * s.dim, scale,
                  block, op + r0 * s.dim, lp + r0, work, allowed);
@@ -421,12 +438,14 @@ ffi::Error ForwardImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffe
 ffi::Error BackwardImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
                         ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::S32> page_idx, ffi::Buffer<ffi::PRED> page_valid,
                         ffi::Buffer<ffi::S32> dense_before, ffi::Buffer<ffi::F32> out, ffi::Buffer<ffi::F32> lse,
-                        ffi::Buffer<ffi::F32> dout, float scale, int64_t page_size, ffi::ResultBuffer<ffi::F32> dq,
-                        ffi::ResultBuffer<ffi::F32> dk, ffi::ResultBuffer<ffi::F32> dv) {
+                        ffi::Buffer<ffi::F32> dout, float scale, int64_t page_size, int64_t queries_from,
+                        ffi::ResultBuffer<ffi::F32> dq, ffi::ResultBuffer<ffi::F32> dk,
+                        ffi::ResultBuffer<ffi::F32> dv) {
   Dims s;
   Pages pg;
   if (auto err = CheckDims(q, k, v, &s); err.failure()) return err;
   if (auto err = ReadPages(s, page_idx, page_valid, dense_before, page_size, &pg); err.failure()) return err;
+  if (auto err = CheckQueriesFrom(s, queries_from); err.failure()) return err;
   const int64_t q_pair = s.tokens * s.groups * s.dim, kv_pair = s.tokens * s.dim, l_pair = s.tokens * s.groups;
   const float *qp = q.typed_data(), *kp = k.typed_data(), *vp = v.typed_data(), *op = out.typed_data(),
               *lp = lse.typed_data(), *dop = dout.typed_data();
@@ -435,7 +454,8 @@ ffi::Error BackwardImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buff
     thread_local std::vector<float> work;
     thread_local std::vector<uint8_t> allowed;
     BackwardPair(s, pg, pair, qp + pair * q_pair, kp + pair * kv_pair, vp + pair * kv_pair, op + pair * q_pair,
-                 lp + pair * l_pair, dop + pair * q_pair, scale, dqp + pair * q_pair, dkp + pair * kv_pair,
+                 lp + pair * l_pair, dop + pair * q_pair, scale, queries_from / kBlock, dqp + pair * q_pair,
+                 dkp + pair * kv_pair,
                  dvp + pair * kv_pair, work, allowed);
   });
   return ffi::Error::Success();
@@ -459,6 +479,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(SparrowFlashForwardCpu, ForwardImpl,
                               BindQKVPages()
                                   .Attr<float>("scale")
                                   .Attr<int64_t>("page_size")
+                                  .Attr<int64_t>("queries_from")  // query blocks below it: not computed, 0
                                   .Ret<ffi::Buffer<ffi::F32>>()    // out [B, Hkv, T, G, D]
                                   .Ret<ffi::Buffer<ffi::F32>>());  // lse [B, Hkv, T, G]
 
@@ -469,6 +490,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(SparrowFlashBackwardCpu, BackwardImpl,
                                   .Arg<ffi::Buffer<ffi::F32>>()    // dout
                                   .Attr<float>("scale")
                                   .Attr<int64_t>("page_size")
+                                  .Attr<int64_t>("queries_from")
                                   .Ret<ffi::Buffer<ffi::F32>>()    // dq
                                   .Ret<ffi::Buffer<ffi::F32>>()    // dk
                                   .Ret<ffi::Buffer<ffi::F32>>());  // dv
