@@ -12,7 +12,7 @@ from sparrow_jax.models.config import tiny_config
 from sparrow_jax.models.lora import LoraConfig, init_lora
 from sparrow_jax.models.qwen3 import init_params
 from sparrow_jax.rl.train_step import (Batch, DistillOptions, LoraState, StepOptions, init_train_state, on_policy,
-                                       timed_train_step, train_step)
+                                       shared_prefix_len, timed_train_step, train_step)
 from sparrow_jax.rollout import SparsitySchedule
 
 CONFIG = tiny_config()
@@ -106,3 +106,59 @@ def test_loss_mask_narrows_the_loss_not_the_statistics(separate_old_pass):
                                                      jax.tree.leaves(stats_only[0].params)))
     for k in [k for k in both[2] if k.startswith("mismatch/")]:
         np.testing.assert_allclose(np.asarray(both[2][k]), np.asarray(stats_only[2][k]), rtol=1e-6, err_msg=k)
+
+
+def _long_prompt_batch(seed=2, b=4, t=120):
+    """Prompts of 66-90 tokens: a shared prefix of 64 below every row's dense prefill."""
+    r = np.random.RandomState(seed)
+    prompt_lens = np.array([70, 80, 66, 90], np.int32)[:b]
+    mask = np.arange(t)[None, :] >= prompt_lens[:, None]
+    mask[1, 110:] = False  # ragged rows
+    return Batch(tokens=jnp.asarray(r.randint(0, CONFIG.vocab_size, (b, t)), jnp.int32),
+                 mask=jnp.asarray(mask, jnp.float32), logp_sampler=jnp.asarray(-4.6 + 2 * r.randn(b, t), jnp.float32),
+                 advantages=jnp.asarray(r.randn(b), jnp.float32), prompt_lens=jnp.asarray(prompt_lens))
+
+
+@pytest.mark.parametrize("separate_old_pass,timed", [(False, False), (True, True)])
+def test_shared_prefix_gives_the_recomputing_step(separate_old_pass, timed):
+    """The sparse scorer reading the prompt prefix's keys and values from the dense pass (and the
+    dense pass's last layer skipping the prefix's queries): the same update and statistics as
+    recomputing every position, within float32 summation order."""
+    opts = dataclasses.replace(BASE, separate_old_pass=separate_old_pass, num_bins=8)
+    batch = _long_prompt_batch()
+    assert shared_prefix_len(np.asarray(batch.prompt_lens), opts=opts, bucket=64) == 64
+    optimizer = optax.sgd(0.1)
+    params = init_params(CONFIG, seed=1)
+    step = timed_train_step if timed else train_step
+    run = lambda prefix: step(init_train_state(jax.tree.map(jnp.copy, params), optimizer), batch, config=CONFIG,
+                              optimizer=optimizer, schedule=SCHEDULE, opts=opts, shared_prefix=prefix)
+    got, want = run(64), run(0)
+    assert set(got[2]) == set(want[2]) and float(want[2]["mismatch/alpha_mean"]) < 0.999  # sparsity shows
+    for k in want[2]:
+        np.testing.assert_allclose(np.asarray(got[2][k]), np.asarray(want[2][k]), rtol=1e-5, atol=1e-6, err_msg=k)
+    for a, b in zip(jax.tree.leaves(want[0]), jax.tree.leaves(got[0])):
+        np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-5, atol=1e-6)
+
+
+def test_shared_prefix_only_where_the_actor_is_the_policy():
+    lens = np.array([300, 700])
+    assert shared_prefix_len(lens, opts=BASE) == 256 and shared_prefix_len(lens, opts=BASE, bucket=64) == 256
+    assert shared_prefix_len(np.array([257, 700]), opts=BASE) == 256
+    assert shared_prefix_len(np.array([256, 700]), opts=BASE) == 0  # the prefill ends at 255
+    for ruled_out in (dict(distill_lora=True), dict(opts=dataclasses.replace(BASE, remat=True)),
+                      dict(opts=dataclasses.replace(BASE, attention_impl="reference"))):
+        assert shared_prefix_len(lens, **{"opts": BASE, **ruled_out}) == 0
+    params = init_params(CONFIG, seed=1)
+    batch = _long_prompt_batch(t=200)
+    optimizer = optax.sgd(0.1)
+    step = lambda prefix, **kw: timed_train_step(init_train_state(params, optimizer), batch, config=CONFIG,
+                                                 optimizer=optimizer, schedule=SCHEDULE,
+                                                 **{"opts": BASE, "shared_prefix": prefix, **kw})
+    with pytest.raises(ValueError, match="multiple of 64"):
+        step(32)
+    with pytest.raises(ValueError, match="past a row's dense prompt prefill"):
+        step(128)
+    with pytest.raises(ValueError, match="the sparse actor to be the policy"):
+        step(64, opts=dataclasses.replace(BASE, remat=True))
+    with pytest.raises(ValueError, match="the sparse actor to be the policy"):
+        step(64, sparse_params=params)

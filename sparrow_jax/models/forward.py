@@ -41,6 +41,28 @@ def dense_hidden(config: Qwen3Config, params: Params, tokens: jax.Array, chunk: 
     return model(tokens, _positions(tokens), attention, remat=remat)
 
 
+PrefixKV = tuple[tuple[jax.Array, jax.Array], ...]  # per layer (k, v) [B, S, Hkv, D] of positions 0..S-1
+
+
+def dense_hidden_and_prefix_kv(config: Qwen3Config, params: Params, tokens: jax.Array, prefix: int,
+                               impl: str = "auto") -> tuple[jax.Array, PrefixKV]:
+    """:func:`dense_hidden` of positions ``prefix..L-1`` only, and every layer's keys and values
+    (post RoPE, no gradient) of positions ``0..prefix-1``, which :func:`sparse_hidden` takes
+    instead of recomputing a prompt prefix. Positions below ``prefix`` (a multiple of 64) are a
+    prompt whose logits no loss reads: the last layer computes their keys and values only.
+    -> (hidden [B, L - prefix, hidden], per layer (k, v) [B, prefix, Hkv, D])"""
+    model = bind(config, params)
+    kept = []
+    last = config.num_hidden_layers - 1
+
+    def attention(layer, q, k, v):
+        kept.append(jax.lax.stop_gradient((k[:, :prefix], v[:, :prefix])))
+        return whole_sequence_attention(q, k, v, impl=impl, queries_from=prefix if layer == last else 0)
+
+    hidden = model(tokens, _positions(tokens), attention, outputs_from=prefix)
+    return hidden, tuple(kept)
+
+
 @functools.partial(jax.jit, static_argnums=0, static_argnames=("impl",))
 def dense_logits(config: Qwen3Config, params: Params, tokens: jax.Array, impl: str = "auto") -> jax.Array:
     """Full-sequence causal logits, float32 [B, L, V]. tokens int32 [B, L], positions 0..L-1.
@@ -74,14 +96,16 @@ def _check_reserved_last(schedule) -> None:
         raise ValueError("the sparse scorer needs reserved_last >= 1 (the current page is partial)")
 
 
-def _select_chunk(start, q_chunk, metadata, budget_p, k_max: int, schedule, cpu_select: bool = False):
-    """Queries [B, C, H, D] at positions start.. -> the sampler's selection (idx, valid) [B, Hkv, C, N].
-    ``cpu_select``: the top-k by the C++ radix select (slot for slot the same as XLA's sort-based top-k)."""
+def _select_chunk(start, q_chunk, metadata, budget_p, k_max: int, schedule, cpu_select: bool = False,
+                  offset: int = 0):
+    """Queries [B, C, H, D] at positions offset + start.. -> the sampler's selection (idx, valid)
+    [B, Hkv, C, N]; ``budget_p``'s column 0 is position ``offset``. ``cpu_select``: the top-k by the
+    C++ radix select (slot for slot the same as XLA's sort-based top-k)."""
     centroid, kmin, kmax = metadata
     b, c, hkv = q_chunk.shape[0], q_chunk.shape[1], centroid.shape[1]
     qg = group_mean_query(q_chunk, hkv).transpose(0, 2, 1, 3)  # [B, Hkv, C, D]
     scores = score_pages(qg, centroid, kmin, kmax, schedule.selector)
-    q_pos = start + jnp.arange(c)
+    q_pos = offset + start + jnp.arange(c)
     chunk_budget = jax.lax.dynamic_slice_in_dim(budget_p, start, c, axis=1)
     reserved = (schedule.reserved_first, schedule.reserved_last)
     if not cpu_select:
@@ -123,34 +147,44 @@ def sparse_page_mask_fn(k: jax.Array, budget: jax.Array, k_max: int, schedule,
 
 
 def sparse_page_selection(q: jax.Array, k: jax.Array, budget: jax.Array, k_max: int, schedule,
-                          block: int = 256, cpu_select: bool = False) -> tuple[jax.Array, jax.Array]:
+                          block: int = 256, cpu_select: bool = False,
+                          queries_from: int = 0) -> tuple[jax.Array, jax.Array]:
     """The sampler's page selection for every query, a query block at a time (no gradient).
 
     q [B, T, H, D], k [B, T, Hkv, D] (post RoPE); budget int32 [B, T]. ``cpu_select``: top-k
     by :func:`sparrow_jax.attention.cpu_kernel.select_pages_cpu` (the same slots; XLA:CPU's
-    sort-based top-k was ~10% of the quickstart's train step).
+    sort-based top-k was ~10% of the quickstart's train step). ``queries_from`` (static): queries
+    below it select nothing (index 0, invalid), for a caller that does not read them.
     -> (page_idx int32, page_valid bool) [B, Hkv, T, N], as :func:`select_pages` returns them.
     Same metadata and scores as :func:`sparse_page_mask_fn` (see there why they are exact).
     """
     _check_reserved_last(schedule)
     q, k = jax.lax.stop_gradient(q), jax.lax.stop_gradient(k)
     b, t, h, d = q.shape
-    block = min(block, t)
-    n = -(-t // block)
+    if not 0 <= queries_from < t:
+        raise ValueError(f"queries_from={queries_from} must be in [0, {t}) (T = {t} queries)")
+    selected = t - queries_from
+    block = min(block, selected)
+    n = -(-selected // block)
     metadata = _page_metadata(k, schedule)
-    budget_p = jnp.pad(budget, ((0, 0), (0, n * block - t)))
-    q_blocks = jnp.pad(q, ((0, 0), (0, n * block - t), (0, 0), (0, 0))).reshape(b, n, block, h, d).swapaxes(0, 1)
-    starts = jnp.arange(n, dtype=jnp.int32) * block
-    idx, valid = jax.lax.map(lambda a: _select_chunk(a[0], a[1], metadata, budget_p, k_max, schedule, cpu_select),
-                             (starts, q_blocks))  # [n, B, Hkv, C, N]
-    merge = lambda x: jnp.moveaxis(x, 0, 2).reshape(*x.shape[1:3], n * block, x.shape[-1])[:, :, :t]
-    return merge(idx), merge(valid)
+    budget_p = jnp.pad(budget[:, queries_from:], ((0, 0), (0, n * block - selected)))
+    q_blocks = jnp.pad(q[:, queries_from:], ((0, 0), (0, n * block - selected), (0, 0), (0, 0)))
+    q_blocks = q_blocks.reshape(b, n, block, h, d).swapaxes(0, 1)
+    starts = jnp.arange(n, dtype=jnp.int32) * block  # within the selected queries
+    select = lambda a: _select_chunk(a[0], a[1], metadata, budget_p, k_max, schedule, cpu_select,
+                                     offset=queries_from)
+    idx, valid = jax.lax.map(select, (starts, q_blocks))  # [n, B, Hkv, C, N]
+    merge = lambda x: jnp.moveaxis(x, 0, 2).reshape(*x.shape[1:3], n * block, x.shape[-1])[:, :, :selected]
+    front = lambda x: jnp.pad(x, ((0, 0), (0, 0), (queries_from, 0), (0, 0)))  # unselected: 0 / False
+    return front(merge(idx)), front(merge(valid))
 
 
 def sparse_hidden(config: Qwen3Config, params: Params, tokens: jax.Array, schedule,
                   k_max: Optional[int] = None, chunk: Optional[int] = None, remat: bool = False,
-                  prompt_lens: Optional[jax.Array] = None, impl: str = "auto") -> jax.Array:
-    """Teacher-forced hidden states under the sparse actor's attention. -> [B, L, hidden].
+                  prompt_lens: Optional[jax.Array] = None, impl: str = "auto",
+                  prefix_kv: Optional[PrefixKV] = None) -> jax.Array:
+    """Teacher-forced hidden states under the sparse actor's attention. -> [B, L, hidden], or
+    [B, L - S, hidden] (positions S..L-1) with ``prefix_kv``.
 
     Position t uses the pages the sparse sampler selects when decoding the token at t
     (budget ``schedule.topk_at(t)``, the top-k table may be traced); layers in
@@ -159,8 +193,14 @@ def sparse_hidden(config: Qwen3Config, params: Params, tokens: jax.Array, schedu
     ``prompt_lens - 1`` attend to every page (needed once two or more layers are sparse).
     ``impl`` / ``chunk``: the whole-sequence attention's; every path but ``reference`` selects
     pages per query block and attends only the tiles holding selected pages.
+
+    ``prefix_kv`` (:func:`dense_hidden_and_prefix_kv` of the same ``params``; no gradient): the
+    keys and values of positions 0..S-1, S a multiple of 64 at most ``prompt_lens - 1``. Those
+    positions are the densely prefilled prompt, the same under both attentions, so only positions
+    S.. are computed: the prompt's share of the weights, attention and page selection is saved.
     """
     b, t = tokens.shape
+    prefix = 0 if prefix_kv is None else prefix_kv[0][0].shape[1]
     positions = _positions(tokens)
     budget = schedule.topk_at(positions)
     if k_max is None:
@@ -170,18 +210,25 @@ def sparse_hidden(config: Qwen3Config, params: Params, tokens: jax.Array, schedu
     dense_before = None if prompt_lens is None else prompt_lens - 1
 
     def attention(layer, q, k, v):
+        if prefix:  # queries from S on, keys from 0 (the prefix's from the dense pass)
+            k, v = (jnp.concatenate([p.astype(x.dtype), x], axis=1) for p, x in zip(prefix_kv[layer], (k, v)))
+            q = jnp.pad(q, ((0, 0), (prefix, 0), (0, 0), (0, 0)))
         if layer in dense_layers:
-            return whole_sequence_attention(q, k, v, impl=impl, chunk=chunk)
+            out = whole_sequence_attention(q, k, v, impl=impl, chunk=chunk, queries_from=prefix)
+            return out[:, prefix:]
         resolved = resolve_causal_impl(impl, dtype=q.dtype, head_dim=q.shape[-1], seq_len=t, paged=True,
                                        page_size=schedule.page_size)
         if resolved == "reference":
             mask_fn = sparse_page_mask_fn(jax.lax.stop_gradient(k), budget, k_max, schedule, dense_before)
-            return causal_attention(q, k, v, chunk=chunk or 256, page_mask_fn=mask_fn, page_size=schedule.page_size)
-        idx, valid = sparse_page_selection(q, k, budget, k_max, schedule, cpu_select=resolved == "cpu")
-        return whole_sequence_attention(q, k, v, impl=impl, page_idx=idx, page_valid=valid,
-                                        page_size=schedule.page_size, dense_before=dense_before, chunk=chunk)
+            out = causal_attention(q, k, v, chunk=chunk or 256, page_mask_fn=mask_fn, page_size=schedule.page_size)
+            return out[:, prefix:]
+        idx, valid = sparse_page_selection(q, k, budget, k_max, schedule, cpu_select=resolved == "cpu",
+                                           queries_from=prefix)
+        out = whole_sequence_attention(q, k, v, impl=impl, page_idx=idx, page_valid=valid, page_size=schedule.page_size,
+                                       dense_before=dense_before, chunk=chunk, queries_from=prefix)
+        return out[:, prefix:]
 
-    return model(tokens, positions, attention, remat=remat)
+    return model(tokens[:, prefix:], positions[:, prefix:], attention, remat=remat)
 
 
 # ---- cache-based generation ---------------------------------------------------------

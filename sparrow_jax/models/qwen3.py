@@ -8,7 +8,9 @@ pytree** (``params``); :func:`bind` merges them into a module inside a traced fu
 Attention is a callable passed at call time, ``attention(layer, q, k, v) -> out`` with
 ``q [B, T, H, D]``, ``k, v [B, T, Hkv, D]`` after q/k-norm and RoPE, so the same
 parameters serve teacher-forced forward, prefill into a cache and one-token decode, dense
-or block-sparse (see :mod:`sparrow_jax.models.attention_modes`).
+or block-sparse (see :mod:`sparrow_jax.models.attention_modes`). A forward that needs final
+hidden states only from position S on (``outputs_from``) gives the last layer's callback query
+rows of zeros below S, whose outputs it does not read (the callback may skip them).
 """
 from __future__ import annotations
 
@@ -84,15 +86,19 @@ class Attention(nnx.Module):
         self.k_norm = RMSNorm(d, config)
         self.config = config
 
-    def __call__(self, layer: int, x, cos_sin, attention: AttentionFn):
+    def __call__(self, layer: int, x, cos_sin, attention: AttentionFn, outputs_from: int = 0):
+        """x [B, T, hidden] -> [B, T - outputs_from, hidden] (positions outputs_from..; every key)."""
         c = self.config
         b, t, _ = x.shape
-        q = self.q_norm(self.q_proj(x).reshape(b, t, c.num_attention_heads, c.head_dim))
+        s = outputs_from
+        q = self.q_norm(self.q_proj(x[:, s:]).reshape(b, t - s, c.num_attention_heads, c.head_dim))
         k = self.k_norm(self.k_proj(x).reshape(b, t, c.num_key_value_heads, c.head_dim))
         v = self.v_proj(x).reshape(b, t, c.num_key_value_heads, c.head_dim)
-        q, k = rope(q, cos_sin), rope(k, cos_sin)
-        out = attention(layer, q, k, v)
-        return self.o_proj(out.reshape(b, t, -1))
+        q, k = rope(q, tuple(a[:, s:] for a in cos_sin)), rope(k, cos_sin)
+        if s:  # query rows below s: zeros, outputs not read
+            q = jnp.pad(q, ((0, 0), (s, 0), (0, 0), (0, 0)))
+        out = attention(layer, q, k, v)[:, s:]
+        return self.o_proj(out.reshape(b, t - s, -1))
 
 
 class MLP(nnx.Module):
@@ -115,8 +121,9 @@ class DecoderLayer(nnx.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config)
         self.mlp = MLP(config, rngs)
 
-    def __call__(self, layer, x, cos_sin, attention):
-        x = x + self.self_attn(layer, self.input_layernorm(x), cos_sin, attention)
+    def __call__(self, layer, x, cos_sin, attention, outputs_from: int = 0):
+        """x [B, T, hidden] -> [B, T - outputs_from, hidden]: positions outputs_from.. only."""
+        x = x[:, outputs_from:] + self.self_attn(layer, self.input_layernorm(x), cos_sin, attention, outputs_from)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -133,15 +140,18 @@ class Qwen3(nnx.Module):
             self.lm_head = Linear(config.hidden_size, config.vocab_size, config, rngs)
 
     def __call__(self, tokens: jax.Array, positions: jax.Array, attention: AttentionFn,
-                 remat: bool = False) -> jax.Array:
-        """tokens, positions: int32 [B, T] -> final-norm hidden states [B, T, hidden]."""
+                 remat: bool = False, outputs_from: int = 0) -> jax.Array:
+        """tokens, positions: int32 [B, T] -> final-norm hidden states [B, T - outputs_from, hidden]
+        of positions outputs_from.. (the last layer computes only those; every earlier one all)."""
         x = self.embed_tokens[...].astype(self.config.compute_dtype)[tokens]
         cos_sin = rotary(positions, self.config.head_dim, self.config.rope_theta)
+        last = len(self.layers) - 1
         for i, layer in enumerate(self.layers):
+            s = outputs_from if i == last else 0
             if remat:  # recompute activations in the backward pass: long sequences fit
-                x = jax.checkpoint(lambda x_, r_, l_=layer, i_=i: l_(i_, x_, r_, attention))(x, cos_sin)
+                x = jax.checkpoint(lambda x_, r_, l_=layer, i_=i, s_=s: l_(i_, x_, r_, attention, s_))(x, cos_sin)
             else:
-                x = layer(i, x, cos_sin, attention)
+                x = layer(i, x, cos_sin, attention, s)
         return self.norm(x)
 
     def unembedding(self) -> jax.Array:

@@ -17,6 +17,10 @@ Everything a step does runs in a single ``jax.jit`` with the train state donated
 4. sparse actor (no grad): teacher-forced sparse hidden states with the sampler's page
    selection; exact per-token acceptance rate vs the dense policy that sampled; p5 and mean
    per absolute-position bin of the query that produced the token (as calibration bins).
+   With ``shared_prefix`` (:func:`shared_prefix_len`: a prompt prefix of every row, where the
+   sampler's prefill was dense) it starts after the prefix, from the dense pass's keys and
+   values there, and the dense pass's last layer computes no query of the prefix (no loss or
+   statistic reads a prompt position's output).
 """
 from __future__ import annotations
 
@@ -34,7 +38,7 @@ from sparrow_jax.mismatch.scorers import per_token_mismatch
 from sparrow_jax.mismatch.tail import binned_histogram_jax, binned_percentile_jax, binned_tail_jax, query_positions
 from sparrow_jax.models.config import Qwen3Config
 from sparrow_jax.models.lora import LoraConfig, with_lora
-from sparrow_jax.models.forward import dense_hidden, sparse_hidden, unembedding
+from sparrow_jax.models.forward import PrefixKV, dense_hidden, dense_hidden_and_prefix_kv, sparse_hidden, unembedding
 from sparrow_jax.models.scoring import token_logprobs
 from sparrow_jax.optim import clipped_adam
 from sparrow_jax.rl.losses import agg_loss, grpo_loss, kl_penalty, tis_weights, tis_weights_and_keep
@@ -109,6 +113,25 @@ class Batch(NamedTuple):
     loss_mask: Optional[jax.Array] = None  # float32 [B, T] the policy loss's tokens, a subset of mask; None: mask
 
 
+class DensePass(NamedTuple):
+    """What the sparse scorer reads from the step's dense pass (no gradient)."""
+
+    hidden: jax.Array  # float [B, T - S, H] final hidden states of positions S.. (S = shared_prefix)
+    prefix_kv: Optional[PrefixKV]  # per layer (k, v) [B, S, Hkv, D] of the shared prompt prefix; None: S = 0
+
+
+def shared_prefix_len(prompt_lens, *, opts: StepOptions, distill_lora: bool = False, bucket: int = 256) -> int:
+    """The ``shared_prefix`` for :func:`train_step` on a batch with these prompt lengths [B] (host
+    values): ``min(prompt_lens) - 1`` rounded down to ``bucket`` (a multiple of 64; a coarse
+    bucket keeps the compiled variants few), 0 where the sparse scorer must recompute the prompt:
+    with DistillSparse's LoRA (the actor's params differ from the policy's), with
+    ``opts.remat``, or with ``opts.attention_impl == "reference"`` (the simple path others are
+    tested against)."""
+    if distill_lora or opts.remat or opts.attention_impl == "reference" or bucket % 64:
+        return 0
+    return max(0, int(min(int(x) for x in prompt_lens)) - 1) // bucket * bucket
+
+
 def policy_loss_mask(batch: Batch) -> jax.Array:
     """The tokens the policy loss sees: ``batch.loss_mask`` where given (completions cut at their
     reward horizon), else every completion token. Statistics use ``batch.mask`` either way."""
@@ -175,17 +198,39 @@ def _split_rows(x: jax.Array, *parts: int) -> jax.Array:
 
 
 def _no_grad_logprobs(config: Qwen3Config, params, tokens: jax.Array, chunks: int, opts: StepOptions,
-                      keep_hidden: bool):
-    """Log-probs (and final hidden states) of ``params`` on ``tokens``, ``chunks`` row chunks at a
-    time, without gradient. -> (logp [B, T], hidden [B, T, H] or None)"""
+                      keep_hidden: bool, shared_prefix: int = 0):
+    """Log-probs (and what the sparse scorer reads) of ``params`` on ``tokens``, ``chunks`` row
+    chunks at a time, without gradient. -> (logp [B, T], DensePass or None)"""
     def one(tok):
-        hidden = dense_hidden(config, params, tok, impl=opts.attention_impl)
-        logp, _ = token_logprobs(hidden, unembedding(config, params), tok, opts.temperature, seq_chunk=opts.seq_chunk)
-        return logp, (hidden if keep_hidden else None)
+        dense, logp, _ = _dense_logprobs(config, params, tok, opts, shared_prefix if keep_hidden else 0)
+        return logp, (dense if keep_hidden else None)
 
-    logp, hidden = jax.lax.map(one, _split_rows(tokens, chunks))
-    merge = lambda x: None if x is None else x.reshape(-1, *x.shape[2:])
-    return jax.lax.stop_gradient(merge(logp)), jax.lax.stop_gradient(merge(hidden))
+    logp, dense = jax.lax.map(one, _split_rows(tokens, chunks))
+    return jax.lax.stop_gradient(_merge_rows(logp)), jax.lax.stop_gradient(_merge_rows(dense))
+
+
+def _merge_rows(tree):
+    """Leaves [chunks, b, ...] -> [chunks * b, ...] (None stays None)."""
+    return jax.tree.map(lambda x: x.reshape(-1, *x.shape[2:]), tree)
+
+
+def _pad_front(x: jax.Array, n: int, value: float = 0.0) -> jax.Array:
+    """[B, T - n, ...] -> [B, T, ...], ``value`` in the first n positions."""
+    return jnp.pad(x, [(0, 0), (n, 0)] + [(0, 0)] * (x.ndim - 2), constant_values=value) if n else x
+
+
+def _dense_logprobs(config: Qwen3Config, params, tokens: jax.Array, opts: StepOptions, shared_prefix: int = 0):
+    """The dense policy's pass: what the sparse scorer reads, and the log-probs and entropies of
+    ``tokens``. With ``shared_prefix`` S the prompt prefix 0..S-1 gets no logits (0 there: no
+    loss or statistic reads a prompt position) and its keys and values are kept.
+    -> (DensePass, logp [B, T], entropy [B, T])"""
+    if shared_prefix:
+        hidden, kv = dense_hidden_and_prefix_kv(config, params, tokens, shared_prefix, impl=opts.attention_impl)
+    else:
+        hidden, kv = dense_hidden(config, params, tokens, remat=opts.remat, impl=opts.attention_impl), None
+    logp, entropy = token_logprobs(hidden, unembedding(config, params), tokens[:, shared_prefix:], opts.temperature,
+                                   seq_chunk=opts.seq_chunk)
+    return DensePass(hidden, kv), _pad_front(logp, shared_prefix), _pad_front(entropy, shared_prefix)
 
 
 def _tis(logp_old: jax.Array, logp_sampler: jax.Array, mask: jax.Array, opts: StepOptions):
@@ -200,14 +245,6 @@ def _tis(logp_old: jax.Array, logp_sampler: jax.Array, mask: jax.Array, opts: St
     return weights, loss_mask, out
 
 
-def _forward(params, config: Qwen3Config, tokens: jax.Array, opts: StepOptions):
-    """The policy's differentiable pass. -> (hidden [B, T, H], logp [B, T], entropy [B, T])"""
-    hidden = dense_hidden(config, params, tokens, remat=opts.remat, impl=opts.attention_impl)
-    logp, entropy = token_logprobs(hidden, unembedding(config, params), tokens, opts.temperature,
-                                   seq_chunk=opts.seq_chunk)
-    return hidden, logp, entropy
-
-
 def _rows_loss(logp, entropy, mb: _Rows, opts: StepOptions):
     return grpo_loss(logp, mb.logp_old, mb.advantages, mb.mask, clip_low=opts.clip_low, clip_high=opts.clip_high,
                      dual_clip_c=opts.dual_clip or None, is_weights=mb.is_weights, agg=opts.loss_agg,
@@ -217,21 +254,21 @@ def _rows_loss(logp, entropy, mb: _Rows, opts: StepOptions):
 
 def _policy_loss(params, config: Qwen3Config, mb: _Rows, opts: StepOptions):
     """-> (loss, (metrics, None))"""
-    _, logp, entropy = _forward(params, config, mb.tokens, opts)
+    _, logp, entropy = _dense_logprobs(config, params, mb.tokens, opts)
     loss, metrics = _rows_loss(logp, entropy, mb, opts)
     return loss, (metrics, None)
 
 
-def _on_policy_loss(params, config: Qwen3Config, mb: _OnPolicyRows, opts: StepOptions):
+def _on_policy_loss(params, config: Qwen3Config, mb: _OnPolicyRows, opts: StepOptions, shared_prefix: int = 0):
     """The single on-policy update's loss: the old log-probs are this forward's, stop-gradient
     (ratio 1, gradient that of the ratio), and TIS weights and ratio masking follow from them.
-    -> (loss, (metrics, (logp_old [b, T], hidden [b, T, H]) stop-gradient))"""
-    hidden, logp, entropy = _forward(params, config, mb.tokens, opts)
+    -> (loss, (metrics, (logp_old [b, T], DensePass) stop-gradient))"""
+    dense, logp, entropy = _dense_logprobs(config, params, mb.tokens, opts, shared_prefix)
     logp_old = jax.lax.stop_gradient(logp)
     weights, loss_mask, _ = _tis(logp_old, mb.logp_sampler, mb.mask, opts)
     rows = _Rows(mb.tokens, loss_mask, mb.advantages, logp_old, weights, mb.logp_ref)
     loss, metrics = _rows_loss(logp, entropy, rows, opts)
-    return loss, (metrics, (logp_old, jax.lax.stop_gradient(hidden)))
+    return loss, (metrics, (logp_old, jax.lax.stop_gradient(dense)))
 
 
 def _all_finite(tree) -> jax.Array:
@@ -271,21 +308,21 @@ def _update_grads(params, minis: _Rows, u, config: Qwen3Config, opts: StepOption
     return _accumulated_grads(_policy_loss, params, mini, weights, config, opts)[:3]
 
 
-def _on_policy_grads(params, batch: Batch, logp_ref, *, config: Qwen3Config, opts: StepOptions, keep_hidden: bool):
+def _on_policy_grads(params, batch: Batch, logp_ref, *, config: Qwen3Config, opts: StepOptions, keep_hidden: bool,
+                     shared_prefix: int = 0):
     """Forward + backward of the single on-policy update (:func:`on_policy`), its forward also the
     old policy's pass, accumulated over ``micro_batches`` chunks.
-    -> (grads, loss, weighted loss metrics, hidden [B, T, H] or None, ``rollout_corr/`` metrics)"""
+    -> (grads, loss, weighted loss metrics, DensePass or None, ``rollout_corr/`` metrics)"""
     micros = jax.tree.map(lambda x: _split_rows(x, opts.micro_batches),
                           _OnPolicyRows(batch.tokens, policy_loss_mask(batch), batch.logp_sampler, batch.advantages,
                                         logp_ref))
     # Shares of the denominator from the completion mask: on_policy() rules out ratio masking over
     # several micro-batches, and for one micro-batch the share is 1 whatever the mask.
     weights = _micro_batch_weights(micros.mask, opts.loss_agg, opts.global_rows)
-    grads, loss, metrics, (logp_old, hidden) = _accumulated_grads(_on_policy_loss, params, micros, weights, config,
-                                                                  opts)
-    merge = lambda x: x.reshape(-1, *x.shape[2:])
-    _, _, out = _tis(merge(logp_old), batch.logp_sampler, batch.mask, opts)  # metrics over the whole batch
-    return grads, loss, metrics, (merge(hidden) if keep_hidden else None), out
+    loss_fn = functools.partial(_on_policy_loss, shared_prefix=shared_prefix if keep_hidden else 0)
+    grads, loss, metrics, (logp_old, dense) = _accumulated_grads(loss_fn, params, micros, weights, config, opts)
+    _, _, out = _tis(_merge_rows(logp_old), batch.logp_sampler, batch.mask, opts)  # metrics over the whole batch
+    return grads, loss, metrics, (_merge_rows(dense) if keep_hidden else None), out
 
 
 def _apply_update(params, opt_state, grads, loss, metrics: dict, optimizer: optax.GradientTransformation):
@@ -327,13 +364,17 @@ def _mean_over_finite_updates(metrics: dict, finite: jax.Array) -> dict:
     return out
 
 
-def _alpha_stats(config, params, sparse_params, tokens, prompt_lens, hidden_dense, schedule, opts):
-    """Exact per-token acceptance rate and KL of the sparse actor vs the dense policy. -> 2 x [B, T]"""
+def _alpha_stats(config, params, sparse_params, tokens, prompt_lens, dense: DensePass, schedule, opts):
+    """Exact per-token acceptance rate and KL of the sparse actor vs the dense policy. -> 2 x [B, T]
+
+    With ``dense.prefix_kv`` (the actor is the policy) the shared prompt prefix is not recomputed:
+    it is the densely prefilled prompt (alpha 1, KL 0 there; no statistic reads a prompt position)."""
     h_sparse = jax.lax.stop_gradient(sparse_hidden(config, sparse_params, tokens, schedule, prompt_lens=prompt_lens,
-                                                   impl=opts.attention_impl))
-    m = per_token_mismatch(hidden_dense, h_sparse, unembedding(config, params), unembedding(config, sparse_params),
-                           tokens, temperature=opts.temperature, seq_chunk=opts.seq_chunk)
-    return m["alpha"], m["kl"]
+                                                   impl=opts.attention_impl, prefix_kv=dense.prefix_kv))
+    s = tokens.shape[1] - h_sparse.shape[1]  # the shared prefix (0 without prefix_kv)
+    m = per_token_mismatch(dense.hidden, h_sparse, unembedding(config, params), unembedding(config, sparse_params),
+                           tokens[:, s:], temperature=opts.temperature, seq_chunk=opts.seq_chunk)
+    return _pad_front(m["alpha"], s, 1.0), _pad_front(m["kl"], s)
 
 
 def _lora_loss(lora, base_params, config: Qwen3Config, lora_cfg: LoraConfig, batch: Batch, hidden_dense,
@@ -373,7 +414,8 @@ def _lora_loss(lora, base_params, config: Qwen3Config, lora_cfg: LoraConfig, bat
                   jax.lax.stop_gradient(alpha), jax.lax.stop_gradient(kl_exact), logp_sparse_old)
 
 
-def _check_step(batch: Batch, ref_params, opts: StepOptions) -> int:
+def _check_step(batch: Batch, ref_params, opts: StepOptions, sparse_params=None, lora_state=None,
+                shared_prefix: int = 0) -> int:
     """Raise on a batch / options mismatch; -> row chunks of the no-grad passes."""
     b = batch.tokens.shape[0]
     chunks = opts.mini_batches * opts.micro_batches
@@ -382,30 +424,42 @@ def _check_step(batch: Batch, ref_params, opts: StepOptions) -> int:
                          f"{opts.mini_batches} * {opts.micro_batches}")
     if (opts.kl_coef > 0) != (ref_params is not None):
         raise ValueError(f"train_step: kl_coef={opts.kl_coef} needs ref_params exactly when kl_coef > 0")
+    if shared_prefix:
+        if sparse_params is not None or lora_state is not None or opts.remat:
+            raise ValueError("train_step: shared_prefix needs the sparse actor to be the policy (no sparse_params, "
+                             "no LoRA) and remat off; pass shared_prefix=0")
+        if shared_prefix % 64 or not 0 < shared_prefix < batch.tokens.shape[1]:
+            raise ValueError(f"train_step: shared_prefix={shared_prefix} must be a multiple of 64 below T = "
+                             f"{batch.tokens.shape[1]}")
+        if not isinstance(batch.prompt_lens, jax.core.Tracer) and shared_prefix > int(jnp.min(batch.prompt_lens)) - 1:
+            raise ValueError(f"train_step: shared_prefix={shared_prefix} is past a row's dense prompt prefill "
+                             f"(min(prompt_lens) - 1 = {int(jnp.min(batch.prompt_lens)) - 1})")
     return chunks
 
 
-def _old_policy(params, batch: Batch, *, config: Qwen3Config, opts: StepOptions, chunks: int, keep_hidden: bool):
+def _old_policy(params, batch: Batch, *, config: Qwen3Config, opts: StepOptions, chunks: int, keep_hidden: bool,
+                shared_prefix: int = 0):
     """No grad: the policy that produced the batch scores it (logp_old, also the TIS reference),
-    then TIS weights and ratio masking. -> (logp_old, hidden or None, weights or None, loss mask, metrics)"""
-    logp_old, hidden = _no_grad_logprobs(config, params, batch.tokens, chunks, opts, keep_hidden)
+    then TIS weights and ratio masking. -> (logp_old, DensePass or None, weights or None, loss mask, metrics)"""
+    logp_old, dense = _no_grad_logprobs(config, params, batch.tokens, chunks, opts, keep_hidden, shared_prefix)
     weights, loss_mask, out = _tis(logp_old, batch.logp_sampler, batch.mask, opts)
-    return logp_old, hidden, weights, loss_mask * policy_loss_mask(batch), out
+    return logp_old, dense, weights, loss_mask * policy_loss_mask(batch), out
 
 
 def _ref_logprobs(ref_params, tokens, *, config: Qwen3Config, opts: StepOptions, chunks: int):
     return _no_grad_logprobs(config, ref_params, tokens, chunks, opts, False)[0]
 
 
-def _sparse_actor(params, batch: Batch, hidden, sparse_params, lora_state: Optional[LoraState], *, config, schedule,
-                  opts: StepOptions, lora_cfg, lora_optimizer, distill: DistillOptions):
+def _sparse_actor(params, batch: Batch, dense: DensePass, sparse_params, lora_state: Optional[LoraState], *, config,
+                  schedule, opts: StepOptions, lora_cfg, lora_optimizer, distill: DistillOptions):
     """The sparse scorer: per-token acceptance rate and KL of the sparse actor vs the dense policy
     ``params`` (and, with ``lora_state``, DistillSparse's LoRA updates).
     -> (alpha [B, T], kl [B, T], new LoRA state or None, metrics)"""
     if lora_state is None:
         sp = params if sparse_params is None else sparse_params
-        alpha, kl = _alpha_stats(config, params, sp, batch.tokens, batch.prompt_lens, hidden, schedule, opts)
+        alpha, kl = _alpha_stats(config, params, sp, batch.tokens, batch.prompt_lens, dense, schedule, opts)
         return alpha, kl, None, {}
+    hidden = dense.hidden
     lora_grad = jax.value_and_grad(_lora_loss, has_aux=True)
 
     def apply_lora_grads(lora_st: LoraState, grads) -> LoraState:
@@ -439,12 +493,13 @@ def _step_metrics(out: dict, update_metrics: dict, finite, sparse_metrics: dict,
 
 
 @functools.partial(jax.jit, static_argnames=("config", "optimizer", "opts", "lora_cfg", "lora_optimizer",
-                                             "distill"), donate_argnums=(0, 3))
+                                             "distill", "shared_prefix"), donate_argnums=(0, 3))
 def train_step(state: TrainState, batch: Batch, sparse_params=None, lora_state: Optional[LoraState] = None,
                ref_params=None, *, config: Qwen3Config, optimizer: optax.GradientTransformation, schedule=None,
                opts: StepOptions = StepOptions(), lora_cfg: Optional[LoraConfig] = None,
                lora_optimizer: Optional[optax.GradientTransformation] = None,
-               distill: DistillOptions = DistillOptions()) -> tuple[TrainState, Optional[LoraState], dict]:
+               distill: DistillOptions = DistillOptions(),
+               shared_prefix: int = 0) -> tuple[TrainState, Optional[LoraState], dict]:
     """One RL step on a rollout batch. -> (new_state, new_lora_state or None, metrics)
 
     ``sparse_params`` are the sparse actor's params (defaults to the policy's); with
@@ -455,21 +510,25 @@ def train_step(state: TrainState, batch: Batch, sparse_params=None, lora_state: 
     policy gets gradients only from the dense PPO loss, the LoRA only from L_LoRA.
     ``ref_params``: the reference policy of the KL term (required iff ``opts.kl_coef > 0``).
     Metrics of the policy updates are means over the step's updates (verl).
+    ``shared_prefix`` (static; :func:`shared_prefix_len`): positions below it are a prompt prefix
+    of every row, which the sparse scorer takes from the dense pass (keys and values) instead of
+    recomputing; 0 recomputes every position.
     :func:`timed_train_step` runs the same phases as separate programs and times each.
     """
-    chunks = _check_step(batch, ref_params, opts)
+    chunks = _check_step(batch, ref_params, opts, sparse_params, lora_state, shared_prefix)
     keep_hidden = schedule is not None
     logp_ref = None if ref_params is None else _ref_logprobs(ref_params, batch.tokens, config=config, opts=opts,
                                                              chunks=chunks)
     if on_policy(opts):
-        grads, loss, metrics, hidden, out = _on_policy_grads(state.params, batch, logp_ref, config=config, opts=opts,
-                                                             keep_hidden=keep_hidden)
+        grads, loss, metrics, dense, out = _on_policy_grads(state.params, batch, logp_ref, config=config, opts=opts,
+                                                            keep_hidden=keep_hidden, shared_prefix=shared_prefix)
         params, opt_state, update_metrics, finite = _apply_update(state.params, state.opt_state, grads, loss, metrics,
                                                                   optimizer)
         update_metrics, finite = jax.tree.map(lambda x: x[None], (update_metrics, finite))  # one update
     else:
-        logp_old, hidden, weights, loss_mask, out = _old_policy(state.params, batch, config=config, opts=opts,
-                                                                chunks=chunks, keep_hidden=keep_hidden)
+        logp_old, dense, weights, loss_mask, out = _old_policy(state.params, batch, config=config, opts=opts,
+                                                               chunks=chunks, keep_hidden=keep_hidden,
+                                                               shared_prefix=shared_prefix)
         rows = _Rows(batch.tokens, loss_mask, batch.advantages, logp_old, weights, logp_ref)
         params, opt_state, update_metrics, finite = _ppo_updates(state.params, state.opt_state, rows, config,
                                                                  optimizer, opts)
@@ -481,7 +540,7 @@ def train_step(state: TrainState, batch: Batch, sparse_params=None, lora_state: 
     sparse_metrics = {}
     if schedule is not None:
         alpha, kl, new_lora_state, sparse_metrics = _sparse_actor(
-            state.params, batch, hidden, sparse_params, lora_state, config=config, schedule=schedule, opts=opts,
+            state.params, batch, dense, sparse_params, lora_state, config=config, schedule=schedule, opts=opts,
             lora_cfg=lora_cfg, lora_optimizer=lora_optimizer, distill=distill)
     out = _step_metrics(out, update_metrics, finite, sparse_metrics, alpha, kl, batch.mask, opts)
     return TrainState(state.step + 1, params, opt_state), new_lora_state, out
@@ -491,12 +550,12 @@ def train_step(state: TrainState, batch: Batch, sparse_params=None, lora_state: 
 
 TIMING_PARTS = ("old_log_prob", "ref", "scoring", "forward_backward", "optimizer", "statistics")
 
-_old_policy_jit = jax.jit(_old_policy, static_argnames=("config", "opts", "chunks", "keep_hidden"))
+_old_policy_jit = jax.jit(_old_policy, static_argnames=("config", "opts", "chunks", "keep_hidden", "shared_prefix"))
 _ref_logprobs_jit = jax.jit(_ref_logprobs, static_argnames=("config", "opts", "chunks"))
 _sparse_actor_jit = jax.jit(_sparse_actor, static_argnames=("config", "opts", "lora_cfg", "lora_optimizer",
                                                             "distill"), donate_argnums=(4,))
 _update_grads_jit = jax.jit(_update_grads, static_argnames=("config", "opts"))
-_on_policy_grads_jit = jax.jit(_on_policy_grads, static_argnames=("config", "opts", "keep_hidden"))
+_on_policy_grads_jit = jax.jit(_on_policy_grads, static_argnames=("config", "opts", "keep_hidden", "shared_prefix"))
 
 
 @functools.partial(jax.jit, static_argnames=("optimizer",), donate_argnums=(0, 1))
@@ -518,7 +577,7 @@ def timed_train_step(state: TrainState, batch: Batch, sparse_params=None, lora_s
                      ref_params=None, *, config: Qwen3Config, optimizer: optax.GradientTransformation,
                      schedule=None, opts: StepOptions = StepOptions(), lora_cfg: Optional[LoraConfig] = None,
                      lora_optimizer: Optional[optax.GradientTransformation] = None,
-                     distill: DistillOptions = DistillOptions()):
+                     distill: DistillOptions = DistillOptions(), shared_prefix: int = 0):
     """:func:`train_step`, its phases run (and waited for) one after another, each timed, as verl's
     ``timing_s/*``. -> (new_state, new_lora_state or None, metrics fetched to the host as floats,
     {part: seconds} for ``TIMING_PARTS``).
@@ -539,31 +598,32 @@ def timed_train_step(state: TrainState, batch: Batch, sparse_params=None, lora_s
         timings[part] += time.perf_counter() - t0
         return result
 
-    chunks = _check_step(batch, ref_params, opts)
+    chunks = _check_step(batch, ref_params, opts, sparse_params, lora_state, shared_prefix)
     keep_hidden = schedule is not None
     logp_ref = None
     if ref_params is not None:
         logp_ref = timed("ref", _ref_logprobs_jit, ref_params, batch.tokens, config=config, opts=opts, chunks=chunks)
 
-    def score(hidden):  # before any optimizer update: it reads the step's input params, which updates donate
+    def score(dense):  # before any optimizer update: it reads the step's input params, which updates donate
         if schedule is None:
             return None, None, None, {}
-        return timed("scoring", _sparse_actor_jit, state.params, batch, hidden, sparse_params, lora_state,
+        return timed("scoring", _sparse_actor_jit, state.params, batch, dense, sparse_params, lora_state,
                      config=config, schedule=schedule, opts=opts, lora_cfg=lora_cfg, lora_optimizer=lora_optimizer,
                      distill=distill)
 
     if on_policy(opts):
-        grads, loss, metrics, hidden, out = timed("forward_backward", _on_policy_grads_jit, state.params, batch,
-                                                  logp_ref, config=config, opts=opts, keep_hidden=keep_hidden)
-        alpha, kl, new_lora_state, sparse_metrics = score(hidden)
+        grads, loss, metrics, dense, out = timed("forward_backward", _on_policy_grads_jit, state.params, batch,
+                                                 logp_ref, config=config, opts=opts, keep_hidden=keep_hidden,
+                                                 shared_prefix=shared_prefix)
+        alpha, kl, new_lora_state, sparse_metrics = score(dense)
         params, opt_state, metrics, ok = timed("optimizer", _apply_update_jit, state.params, state.opt_state, grads,
                                                loss, metrics, optimizer=optimizer)
         update_metrics, finite = [metrics], [ok]
     else:
-        logp_old, hidden, weights, loss_mask, out = timed(
+        logp_old, dense, weights, loss_mask, out = timed(
             "old_log_prob", _old_policy_jit, state.params, batch, config=config, opts=opts, chunks=chunks,
-            keep_hidden=keep_hidden)
-        alpha, kl, new_lora_state, sparse_metrics = score(hidden)
+            keep_hidden=keep_hidden, shared_prefix=shared_prefix)
+        alpha, kl, new_lora_state, sparse_metrics = score(dense)
         minis = _mini_batches(_Rows(batch.tokens, loss_mask, batch.advantages, logp_old, weights, logp_ref), opts)
         params, opt_state, update_metrics, finite = state.params, state.opt_state, [], []
         for u in range(opts.ppo_epochs * opts.mini_batches):

@@ -44,7 +44,7 @@ from sparrow_jax.rl.context import RunContext
 from sparrow_jax.rl.guards import assert_finite, nonfinite_streak
 from sparrow_jax.rl.long_cot import mask_truncated, response_length_metrics
 from sparrow_jax.rl.train_step import (Batch, DistillOptions, LoraState, StepOptions, TrainState,
-                                       init_train_state, make_optimizer, timed_train_step)
+                                       init_train_state, make_optimizer, shared_prefix_len, timed_train_step)
 from sparrow_jax.rollout import SparsitySchedule, generate, generate_continuous
 from sparrow_jax.rollout.schedule_control import (ControllerSettings, ControllerState, controller_step_jit,
                                                   controller_topk, dense_topk_by_bin, failed_topk_from_table,
@@ -445,6 +445,9 @@ def update(loop: Loop, state: LoopState, batch: Batch) -> tuple[LoopState, dict]
               opts=loop.opts)
     if state.lora is not None:
         kw.update(lora_cfg=loop.lora_cfg, lora_optimizer=loop.lora_optimizer, distill=loop.distill)
+    if kw["schedule"] is not None and getattr(batch.prompt_lens, "is_fully_addressable", True):  # every row here
+        kw["shared_prefix"] = shared_prefix_len(np.asarray(batch.prompt_lens), opts=loop.opts,
+                                                distill_lora=state.lora is not None)
     train, lora, host, timings = timed_train_step(state.train, batch, None, state.lora, loop.ref_params, **kw)
     metrics = {k: float(v) if np.ndim(v) == 0 else v for k, v in host.items()  # arrays: histograms
                if np.ndim(v) or np.isfinite(v) or "/bin_" not in k}  # empty bins: omit
