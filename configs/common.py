@@ -160,8 +160,8 @@ def calibration_config() -> ConfigDict:
         percentile=5.0,  # tail percentile (the paper's p5)
         spread_prompts=True,  # spread prompt lengths up to task.context_tokens (False: all at it; long completions)
         min_count=40,  # completion tokens a (budget, bin) cell needs before its percentile counts
-        # a failed validation raises the failed bins to the next budget and validates again on fresh prompts,
-        # up to this many times (0: off)
+        # a failed validation raises the failed bins to the next budget (a bin at the largest: the bin before it)
+        # and validates again on fresh prompts, up to this many times (0: off)
         revalidate_rounds=0,
         allow_failed=False,  # train on a schedule whose validation failed (False: the run stops before RL)
     ))

@@ -222,7 +222,7 @@ def test_revalidation_raises_the_failed_bins_and_validates_on_new_fresh_prompts(
     assert [t for t, _ in seen] == [(2, 4), (2, 8)] and not (tmp_path / "b" / "schedule.json").exists()
 
 
-def test_raise_failed_bins_keeps_budgets_non_decreasing_and_stops_at_the_largest():
+def test_raise_failed_bins_keeps_budgets_non_decreasing_and_raises_earlier_bins_at_the_largest():
     from sparrow_jax.rollout import SparsitySchedule
     from sparrow_jax.run.calibration import raise_failed_bins
 
@@ -231,7 +231,10 @@ def test_raise_failed_bins_keeps_budgets_non_decreasing_and_stops_at_the_largest
     assert raise_failed_bins(s, [1280], budgets).topk == (6, 6, 8, 8, 24, 96)
     assert raise_failed_bins(s, [512], budgets).topk == (6, 6, 12, 12, 24, 48)  # later bins follow
     assert raise_failed_bins(s, [256, 5000], budgets).topk == (6, 8, 8, 8, 24, 96)  # past the last bin: the last
-    assert raise_failed_bins(dataclasses.replace(s, topk=(6, 96)), [256], budgets) is None  # nothing larger
+    # a failed bin at the largest budget: the nearest earlier bin with room rises instead
+    assert raise_failed_bins(dataclasses.replace(s, topk=(6, 96)), [256], budgets).topk == (8, 96)
+    assert raise_failed_bins(dataclasses.replace(s, topk=(6, 96, 96)), [512], budgets).topk == (8, 96, 96)
+    assert raise_failed_bins(dataclasses.replace(s, topk=(96, 96)), [256], budgets) is None  # nothing larger
 
 
 # ---- checkpoints -----------------------------------------------------------------------------

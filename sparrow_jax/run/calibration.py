@@ -46,13 +46,17 @@ def raise_failed_bins(schedule: SparsitySchedule, failed_starts: Sequence[int],
                       budgets: Sequence[int]) -> Optional[SparsitySchedule]:
     """``schedule`` with each bin that starts at one of ``failed_starts`` (token positions) raised to
     the next larger of ``budgets``, and every later bin to at least that (budgets never fall with
-    position); None when no failed bin has a larger budget left."""
+    position). A failed bin already at the largest budget raises the nearest earlier bin that has
+    a larger one left: the mismatch builds up along the generation, so the sparsity before a bin
+    sets its tail too. None when nothing can be raised."""
     topk = list(schedule.topk)
     for start in failed_starts:
-        b = min(int(start) // schedule.bin_width, len(topk) - 1)
-        larger = [k for k in sorted(budgets) if k > topk[b]]
-        if larger:
-            topk[b:] = [max(k, larger[0]) for k in topk[b:]]
+        failed = min(int(start) // schedule.bin_width, len(topk) - 1)
+        for b in range(failed, -1, -1):  # the failed bin, else the nearest earlier one with room
+            larger = [k for k in sorted(budgets) if k > topk[b]]
+            if larger:
+                topk[b:] = [max(k, larger[0]) for k in topk[b:]]
+                break
     return None if topk == list(schedule.topk) else dataclasses.replace(schedule, topk=tuple(topk))
 
 
@@ -79,8 +83,8 @@ def calibrate_run(spec: RunSpec, ctx: Optional[RunContext] = None, progress: boo
     Prompts: ``calibration.num_prompts`` task prompts at :func:`context_lengths` (spread up to
     ``task.context_tokens`` unless ``calibration.spread_prompts`` is False; seed ``task.seed + 1``),
     validated on ``calibration.validate_prompts`` fresh ones (seed ``task.seed + 2``). With
-    ``calibration.revalidate_rounds`` > 0, a failed validation raises the failed bins
-    (:func:`raise_failed_bins`) and validates again on new fresh prompts (seed ``task.seed + 2 +
+    ``calibration.revalidate_rounds`` > 0, a failed validation raises the failed bins (or, at the
+    largest budget already, the bin before; :func:`raise_failed_bins`) and validates again on new fresh prompts (seed ``task.seed + 2 +
     round``), until it passes, no larger budget is left, or the rounds are spent. Returns dict:
     schedule, table, validation, raised (the rounds), per_budget, flagged_bins, inherited_bins,
     schedule_path, table_path, png, seconds.
