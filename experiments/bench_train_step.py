@@ -15,12 +15,11 @@ keys and values from the dense pass, ``shared_prefix`` as the trainer sets it).
 ``dense_hidden`` instead (the attention-bound part of the step at long contexts).
 
 Both sides run once untimed (compilation), then alternate ``--repeats`` times; the median
-is reported. GFLOP/s count the same model FLOPs for both sides (:func:`step_flops`: matmuls
-of the weights and of causal attention over the keys each query sees, every position through
-every pass; the backward pass twice the forward). The fast side skips some of them (the prompt's
-queries in the dense pass's last layer and in the sparse scorer, whose outputs nothing reads or
-which the dense pass has), so its rate is an effective one. ``matmul_peak_gflops``: the best of
-a ``--peak_size``-square float32 matmul timed in the same run, before and after. The last stdout
+is reported. GFLOP/s count the same useful FLOPs for both sides (:func:`step_flops`: matmuls
+of the weights and of causal attention over the keys each query sees, the backward pass twice
+the forward; not the work on prompt positions whose outputs no loss or statistic reads, which
+the reference does and the fast side mostly skips). ``matmul_peak_gflops``: the best of a
+``--peak_size``-square float32 matmul timed in the same run, before and after. The last stdout
 line is JSON with both sides, their ratio per length and ``fast_fraction_of_peak``.
 """
 from __future__ import annotations
@@ -59,29 +58,43 @@ def quickstart_model() -> tuple[Qwen3Config, dict]:
 
 
 def forward_flops(config: Qwen3Config, rows: int, length: int, keys_per_query: np.ndarray,
-                  unembed: bool = True) -> float:
+                  unembed: bool = True, outputs_from: int = 0, queries_from: int = 0) -> float:
     """Matmul FLOPs of one forward pass: weights (and the unembedding) per token, plus per layer
-    ``4 * H * D`` per (query, key) pair; ``keys_per_query`` [L, T]: the keys each query sees."""
-    h, hd, kvh = config.hidden_size, config.head_dim, config.num_key_value_heads
-    per_layer = h * config.num_attention_heads * hd * 2 + 2 * h * kvh * hd + 3 * h * config.intermediate_size
-    weights = config.num_hidden_layers * per_layer + (h * config.vocab_size if unembed else 0)
-    attention = 4 * config.num_attention_heads * hd * float(np.sum(keys_per_query))
-    return rows * (2 * length * weights + attention)
+    ``4 * H * D`` per (query, key) pair; ``keys_per_query`` [L, T]: the keys each query sees.
+
+    Only the work whose result something reads: positions below ``queries_from`` not at all
+    (their keys and values are another pass's), and below ``outputs_from`` only up to the last
+    layer's keys and values (no output of theirs is read: no query, MLP or unembedding there)."""
+    h, hd, heads, kvh = config.hidden_size, config.head_dim, config.num_attention_heads, config.num_key_value_heads
+    q_o, k_v, mlp = 2 * h * heads * hd, 2 * h * kvh * hd, 3 * h * config.intermediate_size
+    layers = config.num_hidden_layers
+    read = max(queries_from, outputs_from)  # the first position whose final output is read
+    computed, outputs = length - queries_from, length - read
+    weights = (layers - 1) * (q_o + k_v + mlp) * computed + k_v * computed + (q_o + mlp) * outputs
+    weights += h * config.vocab_size * outputs if unembed else 0
+    keys = np.asarray(keys_per_query, np.float64)
+    pairs = float(np.sum(keys[:-1, queries_from:]) + np.sum(keys[-1, read:]))
+    return rows * (2 * weights + 4 * heads * hd * pairs)
 
 
 def step_flops(config: Qwen3Config, rows: int, length: int, schedule: SparsitySchedule,
-               old_pass: bool = False) -> float:
-    """The train step: policy forward and backward (3x) with dense attention (plus the old
-    policy's forward with ``old_pass``; the default single on-policy update reads its old
-    log-probs from its own forward), the sparse scorer's forward (a query sees at most
-    ``topk + reserved`` pages) and the dense logits again for the mismatch statistics."""
+               old_pass: bool = False, prompt: int = 0) -> float:
+    """The train step's useful FLOPs: policy forward and backward (3x) with dense attention (plus
+    the old policy's forward with ``old_pass``; the default single on-policy update reads its old
+    log-probs from its own forward), the sparse scorer's forward (a query sees at most ``topk +
+    reserved`` pages) and the dense logits again for the mismatch statistics. With ``prompt``
+    tokens a row, positions below ``prompt - 1`` (the sampler's dense prefill) are read by no
+    loss or statistic: the dense passes need only their keys and values, the sparse scorer
+    nothing of them (they are the dense pass's)."""
     causal = np.arange(1, length + 1, dtype=np.float64)
     layers = config.num_hidden_layers
-    dense = forward_flops(config, rows, length, np.broadcast_to(causal, (layers, length)))
+    first_read = max(prompt - 1, 0)
+    dense = forward_flops(config, rows, length, np.broadcast_to(causal, (layers, length)), outputs_from=first_read)
     budget = (np.asarray(schedule.topk_at(np.arange(length))) + schedule.reserved) * schedule.page_size
     sparse_keys = np.stack([causal if i in schedule.dense_layers else np.minimum(causal, budget) for i in range(layers)])
-    sparse = forward_flops(config, rows, length, sparse_keys)
-    return (4 if old_pass else 3) * dense + sparse + rows * length * 2 * config.hidden_size * config.vocab_size
+    sparse = forward_flops(config, rows, length, sparse_keys, queries_from=first_read)
+    logits = rows * (length - first_read) * 2 * config.hidden_size * config.vocab_size
+    return (4 if old_pass else 3) * dense + sparse + logits
 
 
 def matmul_peak_gflops(size: int, repeats: int = 5) -> float:
@@ -140,7 +153,7 @@ def measure(lengths, repeats: int, tokens_per_step: int, topk: int, model: str =
         else:
             config, layout = quickstart_model()
             schedule = SparsitySchedule(topk=(topk,), **layout)
-            flops = step_flops(config, rows, length, schedule)
+            flops = step_flops(config, rows, length, schedule, prompt=int(length * PROMPT_SHARE))
             runners = {side: _train_step_runner(config, schedule, rows, length, impl) for side, impl in SIDES.items()}
         times = alternate(runners, repeats)  # the untimed first call compiles
         entry = {"length": length, "rows": rows, "gflop": flops / 1e9}

@@ -34,6 +34,22 @@ def test_flop_model_counts_causal_pairs_and_the_sparse_budget():
     assert step_flops(config, 1, 256, SparsitySchedule(topk=(0,), **layout)) < step_flops(config, 1, 256, wide)
 
 
+def test_flop_model_leaves_out_the_prompt_positions_no_output_reads():
+    """With a prompt, positions before its last token are read by no loss or statistic: the dense
+    passes' last layer computes only their keys and values, the sparse scorer nothing of them."""
+    config, layout = quickstart_model()
+    wide = SparsitySchedule(topk=(1000,), **layout)  # every page: the sparse scorer is a dense pass
+    h, d, heads, kvh = config.hidden_size, config.head_dim, config.num_attention_heads, config.num_key_value_heads
+    q_o, k_v, mlp, unembed = 2 * h * heads * d, 2 * h * kvh * d, 3 * h * config.intermediate_size, h * config.vocab_size
+    f = 100 - 1  # a 100-token prompt: positions 0..98 are its dense prefill
+    pairs = f * (f + 1) / 2  # causal (query, key) pairs among them
+    last_layer = 2 * f * (q_o + mlp + unembed) + 4 * heads * d * pairs  # queries, MLP and logits there
+    whole_pass = 2 * f * (config.num_hidden_layers * (q_o + k_v + mlp) + unembed) \
+        + config.num_hidden_layers * 4 * heads * d * pairs
+    skipped = 3 * last_layer + whole_pass + 2 * f * unembed  # dense fwd + bwd, sparse scorer, extra logits
+    assert step_flops(config, 1, 256, wide, prompt=100) == pytest.approx(step_flops(config, 1, 256, wide) - skipped)
+
+
 def test_bad_flag_names_the_flag():
     with pytest.raises(SystemExit):
         main(["--repeats", "0"])
