@@ -129,9 +129,11 @@ def shared_prefix_len(prompt_lens, *, opts: StepOptions, distill_lora: bool = Fa
     tested against). Memory: the step keeps the prefix's keys and values of every layer until the
     scorer runs, ``2 * layers * B * S * kv_heads * head_dim`` values (Qwen3-1.7B, 16 rows of a
     2K-token prompt, bf16: 3.7 GB)."""
-    if distill_lora or opts.remat or opts.attention_impl == "reference" or bucket % 64:
+    if bucket < 64 or bucket % 64:
+        raise ValueError(f"shared_prefix_len: bucket={bucket} must be a positive multiple of 64 (the kernel's tile)")
+    if distill_lora or opts.remat or opts.attention_impl == "reference":
         return 0
-    return max(0, int(min(int(x) for x in prompt_lens)) - 1) // bucket * bucket
+    return max(0, int(min(prompt_lens)) - 1) // bucket * bucket
 
 
 def policy_loss_mask(batch: Batch) -> jax.Array:
@@ -433,9 +435,10 @@ def _check_step(batch: Batch, ref_params, opts: StepOptions, sparse_params=None,
         if shared_prefix % 64 or not 0 < shared_prefix < batch.tokens.shape[1]:
             raise ValueError(f"train_step: shared_prefix={shared_prefix} must be a multiple of 64 below T = "
                              f"{batch.tokens.shape[1]}")
-        if not isinstance(batch.prompt_lens, jax.core.Tracer) and shared_prefix > int(jnp.min(batch.prompt_lens)) - 1:
+        prefill = None if isinstance(batch.prompt_lens, jax.core.Tracer) else int(jnp.min(batch.prompt_lens)) - 1
+        if prefill is not None and shared_prefix > prefill:
             raise ValueError(f"train_step: shared_prefix={shared_prefix} is past a row's dense prompt prefill "
-                             f"(min(prompt_lens) - 1 = {int(jnp.min(batch.prompt_lens)) - 1})")
+                             f"(min(prompt_lens) - 1 = {prefill})")
     return chunks
 
 
