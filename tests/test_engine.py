@@ -10,6 +10,9 @@ from sparrow_jax.models import init_params, tiny_config
 from sparrow_jax.rollout import SamplingParams, SparsitySchedule, engine, generate, generate_continuous, sampler
 from sparrow_jax.rollout.page_pool import PageAllocator, init_pool
 
+# one xdist worker runs the whole module: its module-scoped fixtures are built once (pytest.ini)
+pytestmark = pytest.mark.xdist_group("test_engine")
+
 CONFIG = tiny_config(num_hidden_layers=2)
 PARAMS = init_params(CONFIG, seed=5)
 SPARSE = SparsitySchedule.from_budget_tokens(40, page_size=4, dense_layers=(), name="test-40")  # top-k 7

@@ -11,6 +11,9 @@ from sparrow_jax.parallel import make_mesh, memory
 from sparrow_jax.parallel.memory import PlanSettings
 from sparrow_jax.rl import memory_plan as plan
 
+# one xdist worker runs the whole module: its module-scoped fixtures are built once (pytest.ini)
+pytestmark = pytest.mark.xdist_group("test_memory_plan")
+
 # 4 rows x 2048 tokens: causal attention's f32 chunk scores make ~0.1 GB of temp, well above RSS noise
 SETTINGS = PlanSettings(batch=4, prompt_len=0, gen_len=2048, remat=False, bf16=False, page_size=8)
 

@@ -131,13 +131,25 @@ def test_fused_sparse_step_is_score_select_then_paged_decode_bit_for_bit(cache, 
                               k_new=jnp.zeros((B, HKV, D + 1)))
 
 
+def _assert_same_pool(got_pool: PoolLayer, want_pool: PoolLayer) -> None:
+    """K / V pages and min / max bit for bit; the centroid's running mean to an ulp: XLA contracts
+    its update into one multiply-add as the kernel does at LLVM -O3, not at the -O0 the suite
+    compiles with (tests/conftest.py)."""
+    for name, got, want in zip(PoolLayer._fields, got_pool, want_pool):
+        assert (got is None) == (want is None), name
+        if got is not None and name == "centroid":
+            np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7, err_msg=name)
+        elif got is not None:
+            np.testing.assert_array_equal(got, want, err_msg=name)
+
+
 @needs_kernel
 @pytest.mark.parametrize("selector", ["quest", "centroid"])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_sparse_step_appending_in_the_kernel_equals_append_to_pool_then_decode(cache, selector, dtype):
     """The engine's sparse step: the kernel's own metadata append (in XLA's buffers) gives the
-    output and pool of XLA's append_to_pool followed by the kernel on that pool, bit for bit;
-    the pure-XLA step agrees to rounding."""
+    output and pool of XLA's append_to_pool followed by the kernel on that pool, bit for bit
+    (the centroid to an ulp); the pure-XLA step agrees to rounding."""
     q, _, _, _, table, k_pool, v_pool = cache
     # In-page slots 0 (a page starts afresh), 2 (the centroid divides by 3) and 3; every row's
     # page being written is its own (distinct physical pages).
@@ -157,10 +169,8 @@ def test_sparse_step_appending_in_the_kernel_equals_append_to_pool_then_decode(c
     appended = jax.jit(append_to_pool)(pool, table, k_new, v_new, positions)
     expected = paged_decode(q, appended, table, positions, schedule, budget, 3, impl="cpu")
     np.testing.assert_array_equal(out, expected)
-    for got, want in zip(new_pool, appended):
-        assert (got is None) == (want is None) and (got is None or np.array_equal(got, want))
+    _assert_same_pool(new_pool, appended)
     xla_out, xla_pool = step("xla")(q, k_new, v_new, pool, table, positions)
     tol = 1e-5 if dtype == jnp.float32 else 2e-2
     np.testing.assert_allclose(out, xla_out, atol=tol, rtol=tol)
-    for got, want in zip(new_pool, xla_pool):
-        assert (got is None) == (want is None) and (got is None or np.array_equal(got, want))
+    _assert_same_pool(new_pool, xla_pool)

@@ -14,6 +14,9 @@ from pathlib import Path
 
 import pytest
 
+# one xdist worker runs the whole module: its module-scoped fixtures are built once (pytest.ini)
+pytestmark = pytest.mark.xdist_group("test_parallel_kernels")
+
 REPO = Path(__file__).resolve().parents[1]
 
 _CHILD = textwrap.dedent(

@@ -11,6 +11,9 @@ from configs.qwen3_math import get_config
 from experiments.make_tiny_qwen3 import INSTRUCTION, TINY_OVERRIDES, make_tiny_qwen3, word_problems
 from sparrow_jax.run.specs import ConfigError, parse_spec
 
+# one xdist worker runs the whole module: its module-scoped fixtures are built once (pytest.ini)
+pytestmark = pytest.mark.xdist_group("test_qwen3_math")
+
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
