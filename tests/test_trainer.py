@@ -161,16 +161,20 @@ def _run(workdir, steps):
     cmd = [sys.executable, "-m", "experiments.run", "--config", "configs/grpo_tiny.py",
            f"--config.workdir={workdir}", f"--config.steps={steps}", "--config.checkpoint_every=2",
            "--config.rollout.max_new_tokens=12", "--config.task.num_eval=2", "--config.eval_k=2",
-           "--config.eval_every=3"]
-    return subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+           "--config.eval_every=2"]
+    # The killed, the resumed and the finished process run the same programs: a compilation cache
+    # beside the workdir lets the later ones load them (half of a process's time here is compiling).
+    env = dict(os.environ, JAX_COMPILATION_CACHE_DIR=str(workdir.parent / "xla_cache"),
+               JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0", JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="-1")
+    return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
 def test_sigkill_mid_run_then_resume_finishes_and_a_rerun_touches_nothing(tmp_path):
-    """SIGKILL after the first checkpoint, resume: every step logged once, the report rebuilt
-    from the logs (validation at steps 0, 3, 6 from both processes, the pooled tail, the paired
-    speedup); the same command once more prints the report, exits 0 and writes nothing."""
+    """SIGKILL after the first checkpoint (step 2), resume: every step logged once, the report
+    rebuilt from the logs (validation at steps 0, 2, 4 from both processes, the pooled tail, the
+    paired speedup); the same command once more prints the report, exits 0 and writes nothing."""
     workdir = tmp_path / "run"
-    proc = _run(workdir, steps=6)
+    proc = _run(workdir, steps=4)
     marker = workdir / "checkpoints"
     deadline, steps = time.time() + 900, []
     while time.time() < deadline and proc.poll() is None:
@@ -185,18 +189,18 @@ def test_sigkill_mid_run_then_resume_finishes_and_a_rerun_touches_nothing(tmp_pa
 
     text, plot = summarize(str(workdir))  # a killed run: the figures of the steps it logged
     logged = [r["step"] for r in map(json.loads, open(workdir / "metrics.jsonl")) if "reward_mean" in r]
-    assert f"at step {len(logged)} of 6" in text and "dense validation" in text and plot.endswith("reward.png")
-    proc = _run(workdir, steps=6)
+    assert f"at step {len(logged)} of 4" in text and "dense validation" in text and plot.endswith("reward.png")
+    proc = _run(workdir, steps=4)
     out, _ = proc.communicate(timeout=900)
     assert proc.returncode == 0, out
     assert "resumed from checkpoint at step" in out
     steps = [json.loads(line)["step"] for line in open(workdir / "metrics.jsonl")]
-    assert steps == list(range(0, 7))  # step 0: the validation before any update
+    assert steps == list(range(0, 5))  # step 0: the validation before any update
     report = json.load(open(workdir / "report.json"))
     for side in ("val_dense", "val_sparse"):
-        assert [p["step"] for p in report[side]["steps"]] == [0, 3, 6]
+        assert [p["step"] for p in report[side]["steps"]] == [0, 2, 4]
         assert report[side]["end"] == report[side]["steps"][-1]["reward_mean@2"]
-    assert report["trained_steps"] == 6 and report["reward_window_steps"] == 3
+    assert report["trained_steps"] == 4 and report["reward_window_steps"] == 3
     assert sum(b["count"] for b in report["p5_by_bin"]) > 0 and all(0 < b["p5"] <= 1 for b in report["p5_by_bin"])
     assert report["sparse_token_fraction"] == 0.75  # every token sparse on 3 of 4 layers (layer 0 is dense)
     assert report["speedup_timed_compiles"] == 0  # the timed rollouts reuse the untimed run's programs
@@ -205,10 +209,10 @@ def test_sigkill_mid_run_then_resume_finishes_and_a_rerun_touches_nothing(tmp_pa
     text, _ = summarize(str(workdir))
     assert "finished" in text and f"{report['rollout_speedup']:.2f}x" in text
     files = {p: (p.read_bytes(), p.stat().st_mtime_ns) for p in workdir.rglob("*") if p.is_file()}
-    proc = _run(workdir, steps=6)
+    proc = _run(workdir, steps=4)
     out, _ = proc.communicate(timeout=900)
     assert proc.returncode == 0, out
-    assert "has finished its 6 steps" in out and json.dumps(report["val_dense"]) in out
+    assert "has finished its 4 steps" in out and json.dumps(report["val_dense"]) in out
     assert {p: (p.read_bytes(), p.stat().st_mtime_ns) for p in workdir.rglob("*") if p.is_file()} == files
 
 
@@ -247,7 +251,8 @@ def test_distill_sparse_step_isolates_gradients():
     plain, _, _ = train_step(init_train_state(copy(params), optimizer), _batch(0), config=config,
                           optimizer=optimizer, schedule=schedule, opts=opts)
     adapters = {}
-    for kl, updates in (("exact", 1), ("exact_reverse", 1), ("k3", 1), ("exact_reverse", 3)):
+    # the KL kinds' per-token values are tested on their own (test_mismatch_measures, test_rl_losses)
+    for kl, updates in (("exact_reverse", 1), ("k3", 1), ("exact_reverse", 3)):
         state, lora_state, metrics = train_step(
             init_train_state(copy(params), optimizer), _batch(0), None, LoraState(copy(lora), lora_opt.init(lora)),
             config=config, optimizer=optimizer, schedule=schedule, opts=opts, lora_cfg=lora_cfg,
