@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import math
 import os
 import time
@@ -274,12 +275,20 @@ def make_loop(spec: RunSpec, ctx: RunContext) -> Loop:
     ref = shard_params(ctx.params, mesh, ctx.model_config) if tr.kl_coef > 0 else None
     d = spec.distill
     distill = DistillOptions(kl_coef=d.kl_coef, kl=d.kl, tis_cap=d.tis_cap, updates=d.updates_per_step)
-    lora = (lora_config(d), make_optimizer(d.learning_rate, max_grad_norm=0.0), distill) if d.enabled else (None,) * 3
+    lora = (lora_config(d), _optimizer(d.learning_rate, max_grad_norm=0.0), distill) if d.enabled else (None,) * 3
     controller = (online_settings(spec.schedule, ctx.schedule, max_len, spec.calibration.tau)
                   if spec.schedule.kind == "online" else None)
-    return Loop(spec, ctx, mesh, make_optimizer(tr.learning_rate, tr.max_grad_norm), opts, *lora,
+    return Loop(spec, ctx, mesh, _optimizer(tr.learning_rate, tr.max_grad_norm), opts, *lora,
                 pool=reward_pool(ctx, spec.task.reward_workers, spec.task.reward_timeout_s), controller=controller,
                 ref_params=ref)
+
+
+@functools.lru_cache(maxsize=None)
+def _optimizer(learning_rate: float, max_grad_norm: float) -> optax.GradientTransformation:
+    """``make_optimizer``, one object per setting: the jitted steps take the optimiser as a static
+    argument, so a loop built again in the same process (a resumed run, a study's next arm or seed)
+    reuses their compiled programs instead of compiling them anew."""
+    return make_optimizer(learning_rate, max_grad_norm)
 
 
 def online_settings(s: ScheduleSpec, layout: SparsitySchedule, max_len: int, tau: float) -> ControllerSettings:
