@@ -128,12 +128,15 @@ inline void RowPanels(int64_t i, int64_t width, int64_t inner, const float* x, i
 }
 
 // Rows in panels of 6 (12 accumulators: enough independent FMA chains to cover the FMA
-// latency), then 4, then 1.
+// latency), then 4, then 1. A remainder of 2 takes one panel of 6 back for two of 4: a 1-row
+// panel's 2 chains wait on the FMA latency, ~4x the time per row (128 query rows of G = 2 heads
+// would otherwise end in two of them).
 template <bool kAccumulate>
 void Product(int64_t rows, int64_t width, int64_t inner, const float* x, int64_t xi, int64_t xj, const float* y,
              int64_t ldy, float* c, int64_t ldc) {
+  const int64_t sixes = rows % 6 == 2 && rows >= 8 ? rows / 6 - 1 : rows / 6;
   int64_t i = 0;
-  for (; i + 6 <= rows; i += 6) RowPanels<6, kAccumulate>(i, width, inner, x, xi, xj, y, ldy, c, ldc);
+  for (; i < 6 * sixes; i += 6) RowPanels<6, kAccumulate>(i, width, inner, x, xi, xj, y, ldy, c, ldc);
   for (; i + 4 <= rows; i += 4) RowPanels<4, kAccumulate>(i, width, inner, x, xi, xj, y, ldy, c, ldc);
   for (; i < rows; ++i) RowPanels<1, kAccumulate>(i, width, inner, x, xi, xj, y, ldy, c, ldc);
 }
@@ -299,14 +302,14 @@ void BackwardPair(const Dims& s, const Pages& pg, int64_t pair, const float* q, 
                   const float* out, const float* lse, const float* dout, float scale, int64_t first_block, float* dq,
                   float* dk, float* dv, std::vector<float>& work, std::vector<uint8_t>& allowed_buf) {
   const int64_t rows = s.Rows(), dim = s.dim, all_rows = s.tokens * s.groups, pages = s.tokens / pg.page_size;
-  work.resize(2 * rows * kBlock + 3 * dim * kBlock + rows * dim + all_rows);
+  work.resize(2 * rows * kBlock + 3 * dim * kBlock + all_rows * dim + all_rows);
   float* p = work.data();
   float* ds = p + rows * kBlock;
   float* kt = ds + rows * kBlock;
   float* vt = kt + dim * kBlock;
   float* part = vt + dim * kBlock;  // one query block's share of a dK / dV tile
-  float* qs = part + dim * kBlock;
-  float* delta = qs + rows * dim;  // rowsum(dout * out) per query row
+  float* qs_all = part + dim * kBlock;  // the pair's queries, scaled once (every key tile reads them)
+  float* delta = qs_all + all_rows * dim;  // rowsum(dout * out) per query row
   const uint8_t* allowed = nullptr;
   if (pg.Paged()) {
     allowed_buf.resize(s.tokens * pages);
@@ -318,6 +321,7 @@ void BackwardPair(const Dims& s, const Pages& pg, int64_t pair, const float* q, 
     for (int64_t d = 0; d < dim; d += 8) sum += Load(dout + r * dim + d) * Load(out + r * dim + d);
     delta[r] = HorizontalSum(sum);
   }
+  ScaledCopy(q, all_rows * dim, scale * kLog2e, qs_all);
   std::fill(dq, dq + all_rows * dim, 0.0f);
   std::fill(dk, dk + s.tokens * dim, 0.0f);
   std::fill(dv, dv + s.tokens * dim, 0.0f);
@@ -332,7 +336,7 @@ void BackwardPair(const Dims& s, const Pages& pg, int64_t pair, const float* q, 
       if (block_allowed != nullptr && !TileUsed(block_allowed, pages, pg.page_size, j)) continue;
       const int64_t r0 = i * rows;
       const float* doi = dout + r0 * dim;
-      ScaledCopy(q + r0 * dim, rows * dim, scale * kLog2e, qs);
+      const float* qs = qs_all + r0 * dim;
       Product<false>(rows, kBlock, dim, qs, dim, 1, kt, kBlock, p, kBlock);
       MaskTile(p, s.groups, i, j, block_allowed, pages, pg.page_size);
       Product<false>(rows, kBlock, dim, doi, dim, 1, vt, kBlock, ds, kBlock);  // dP = dO V^T
