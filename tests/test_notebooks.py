@@ -30,6 +30,7 @@ def _outputs(nb):
     return "\n".join(o.get("text", "") for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", []))
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("name", ["quickstart.ipynb", "qwen3_sparse_rollout.ipynb"])
 def test_notebook_runs_headless(name, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)

@@ -28,7 +28,7 @@ from sparrow_jax.parallel import (abstract_target, batch_spec, cache_spec, distr
 from sparrow_jax.rl.train_step import Batch, LoraState, init_train_state, make_optimizer
 
 # one xdist worker runs the whole module: its module-scoped fixtures are built once (pytest.ini)
-pytestmark = pytest.mark.xdist_group("test_parallel")
+pytestmark = [pytest.mark.xdist_group("test_parallel"), pytest.mark.heavy]
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -12,7 +12,7 @@ from experiments.make_tiny_qwen3 import INSTRUCTION, TINY_OVERRIDES, make_tiny_q
 from sparrow_jax.run.specs import ConfigError, parse_spec
 
 # one xdist worker runs the whole module: its module-scoped fixtures are built once (pytest.ini)
-pytestmark = pytest.mark.xdist_group("test_qwen3_math")
+pytestmark = [pytest.mark.xdist_group("test_qwen3_math"), pytest.mark.heavy]
 
 
 @pytest.fixture(scope="module")

@@ -169,6 +169,7 @@ def _run(workdir, steps):
     return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
+@pytest.mark.heavy
 def test_sigkill_mid_run_then_resume_finishes_and_a_rerun_touches_nothing(tmp_path):
     """SIGKILL after the first checkpoint (step 2), resume: every step logged once, the report
     rebuilt from the logs (validation at steps 0, 2, 4 from both processes, the pooled tail, the
@@ -235,6 +236,7 @@ def test_reward_windows_are_one_pass_over_cycled_prompts():
     assert reward_start_end([0.3], 3)["reward_change_se"] is None
 
 
+@pytest.mark.heavy
 def test_distill_sparse_step_isolates_gradients():
     import optax
     from sparrow_jax.models.lora import LoraConfig, init_lora
@@ -310,6 +312,7 @@ def _tiny_spec(workdir, steps, **distill):
     return parse_spec(cfg)
 
 
+@pytest.mark.heavy
 def test_loop_state_resumes_exactly(tmp_path):
     """Two steps straight vs one step, a restart from the checkpoint, one more step: the same
     losses, rewards and final loop state (policy, LoRA, optimiser moments, data position, key),
@@ -395,6 +398,7 @@ def _logp(config, params, tokens):
     return token_logprobs(dense_hidden(config, params, tokens), unembedding(config, params), tokens)[0]
 
 
+@pytest.mark.heavy
 def test_ppo_epochs_and_mini_batches_match_a_plain_loop_and_compile_once():
     """2 epochs x 2 mini-batches (4 SGD updates, one scan) equal a plain Python loop of updates
     whose loss is the PPO formula in numpy; logp_old and the TIS weights are the batch policy's;
