@@ -277,12 +277,13 @@ def test_cpu_kernel_rejects_queries_from_off_its_tiles():
             flash_attention_cpu(q, k, v, queries_from=bad)
 
 
-def test_sparse_hidden_from_the_dense_prefix_kv_matches_the_full_scorer(impl="cpu"):
+def test_sparse_hidden_from_the_dense_prefix_kv_matches_the_full_scorer():
     """The sparse scorer from the dense pass's prompt-prefix keys and values: its hidden states of
     the later positions equal the full scorer's, and the dense pass's own later hidden states
     (its last layer skipping the prefix's queries) equal :func:`dense_hidden`'s. Ragged prompts,
     the prefix below every row's dense prefill, a dense layer among sparse ones. On the CPU kernel,
     the path the trainer takes (``shared_prefix_len`` is 0 with the reference attention)."""
+    impl = "cpu"
     config = tiny_config(num_hidden_layers=3)
     params = init_params(config, seed=7)
     schedule = SparsitySchedule(topk=(1, 2, 3), bin_width=32, page_size=8, dense_layers=(1,), selector="quest")
