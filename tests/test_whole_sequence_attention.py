@@ -13,6 +13,7 @@ import pytest
 
 from sparrow_jax.attention import whole_sequence
 from sparrow_jax.attention.blockwise import _Pages, _plan, blockwise_attention, default_block
+from sparrow_jax.attention.contract import selected_page_mask
 from sparrow_jax.attention.flash_cpu import flash_attention_cpu
 from sparrow_jax.attention.whole_sequence import resolve_causal_impl, whole_sequence_attention
 from sparrow_jax.models.config import tiny_config
@@ -232,9 +233,10 @@ def test_blockwise_rejects_bad_page_sets():
 
 
 @pytest.mark.parametrize("selector", ["centroid", "quest"])
-def test_sparse_page_selection_cpu_select_is_slot_for_slot_xla(selector):
-    """The sparse scorer's per-query top-k by the C++ radix select equals XLA's top-k slot for slot
-    (budgets above, at and below the candidates; a ragged last query block)."""
+def test_sparse_page_selection_cpu_select_is_xla_page_set_in_page_order(selector):
+    """The sparse scorer's per-query top-k by the C++ radix select selects XLA's top-k pages, in
+    ascending page order with the valid slots first (budgets above, at and below the candidates;
+    a ragged last query block)."""
     from sparrow_jax.models.forward import sparse_page_selection
 
     r = np.random.RandomState(15)
@@ -243,8 +245,13 @@ def test_sparse_page_selection_cpu_select_is_slot_for_slot_xla(selector):
     schedule = SparsitySchedule(topk=(4,), bin_width=16, page_size=4, selector=selector)
     xla = sparse_page_selection(q, k, budget, 6, schedule, block=32)
     cpu = sparse_page_selection(q, k, budget, 6, schedule, block=32, cpu_select=True)
-    for a, b in zip(xla, cpu):
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    as_set = lambda sel: np.asarray(selected_page_mask(*sel, 23))  # noqa: E731  [B, Hkv, T, pages]
+    np.testing.assert_array_equal(as_set(cpu), as_set(xla))
+    idx, valid = np.asarray(cpu[0]), np.asarray(cpu[1])
+    count = valid.sum(-1, keepdims=True)
+    assert np.all(valid == (np.arange(valid.shape[-1]) < count))  # valid slots first
+    assert np.all(np.where(valid[..., 1:], np.diff(idx, axis=-1) > 0, True))  # ascending pages
+    assert np.all(np.where(valid, True, idx == 0))
     assert int(jnp.sum(xla[1])) > 2 * 90  # the selection is not all reserved pages
 
 

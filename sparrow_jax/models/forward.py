@@ -100,7 +100,7 @@ def _select_chunk(start, q_chunk, metadata, budget_p, k_max: int, schedule, cpu_
                   offset: int = 0):
     """Queries [B, C, H, D] at positions offset + start.. -> the sampler's selection (idx, valid)
     [B, Hkv, C, N]; ``budget_p``'s column 0 is position ``offset``. ``cpu_select``: the top-k by the
-    C++ radix select (slot for slot the same as XLA's sort-based top-k)."""
+    C++ radix select, each query's pages in ascending order (the same sets as XLA's top-k)."""
     centroid, kmin, kmax = metadata
     b, c, hkv = q_chunk.shape[0], q_chunk.shape[1], centroid.shape[1]
     qg = group_mean_query(q_chunk, hkv).transpose(0, 2, 1, 3)  # [B, Hkv, C, D]
@@ -113,7 +113,7 @@ def _select_chunk(start, q_chunk, metadata, budget_p, k_max: int, schedule, cpu_
                             *reserved)
     per_query = scores.transpose(0, 2, 1, 3).reshape(b * c, hkv, -1)  # each query a decode step's row
     idx, valid = select_pages_cpu(per_query, jnp.broadcast_to(q_pos, (b, c)).reshape(-1), chunk_budget.reshape(-1),
-                                  k_max, schedule.page_size, *reserved)
+                                  k_max, schedule.page_size, *reserved, page_order=True)
     back = lambda x: x.reshape(b, c, hkv, -1).transpose(0, 2, 1, 3)
     return back(idx), back(valid)
 
@@ -152,10 +152,12 @@ def sparse_page_selection(q: jax.Array, k: jax.Array, budget: jax.Array, k_max: 
     """The sampler's page selection for every query, a query block at a time (no gradient).
 
     q [B, T, H, D], k [B, T, Hkv, D] (post RoPE); budget int32 [B, T]. ``cpu_select``: top-k
-    by :func:`sparrow_jax.attention.cpu_kernel.select_pages_cpu` (the same slots; XLA:CPU's
-    sort-based top-k was ~10% of the quickstart's train step). ``queries_from`` (static): queries
+    by :func:`sparrow_jax.attention.cpu_kernel.select_pages_cpu`, each query's page set in
+    ascending order (XLA:CPU's sort-based top-k was ~10% of the quickstart's train step, and
+    sorting the C++ top-k into XLA's slot order most of what was left). ``queries_from`` (static): queries
     below it select nothing (index 0, invalid), for a caller that does not read them.
-    -> (page_idx int32, page_valid bool) [B, Hkv, T, N], as :func:`select_pages` returns them.
+    -> (page_idx int32, page_valid bool) [B, Hkv, T, N], as :func:`select_pages` returns them (in
+    page order with ``cpu_select``).
     Same metadata and scores as :func:`sparse_page_mask_fn` (see there why they are exact).
     """
     _check_reserved_last(schedule)

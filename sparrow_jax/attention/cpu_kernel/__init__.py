@@ -186,13 +186,15 @@ def paged_decode_cpu(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, page_ta
 
 
 def select_pages_cpu(scores: jax.Array, positions: jax.Array, budget: jax.Array, k_max: int, page_size: int,
-                     reserved_first: int = 1, reserved_last: int = 2):
+                     reserved_first: int = 1, reserved_last: int = 2, page_order: bool = False):
     """:func:`sparrow_jax.attention.selection.select_pages` for one decode step, in C++.
 
     scores [B, Hkv, P] (finite); positions, budget [B]. Returns (page_idx int32, page_valid
     bool), both [B, Hkv, reserved_first + min(k_max, P) + reserved_last], slot for slot equal
     to ``select_pages(scores, positions[:, None], budget[:, None], ...)`` (a partial sort per
-    (row, KV head) instead of XLA's full top-k).
+    (row, KV head) instead of XLA's full top-k). ``page_order``: the same pages per (row, KV
+    head) in ascending order, valid slots first, without sorting the top-k by score (most of a
+    selection's time), for a caller that reads the slots as a set.
     """
     if not cpu_kernel_available():
         raise RuntimeError("the CPU sparse decode kernel is unavailable (see the warning); use impl='xla'")
@@ -205,7 +207,7 @@ def select_pages_cpu(scores: jax.Array, positions: jax.Array, budget: jax.Array,
     return jax.ffi.ffi_call(SELECT_TARGET, out)(
         scores.astype(jnp.float32), positions.astype(jnp.int32), jnp.asarray(budget, jnp.int32),
         k_max=np.int64(k_max), page_size=np.int64(page_size), reserved_first=np.int64(reserved_first),
-        reserved_last=np.int64(reserved_last))
+        reserved_last=np.int64(reserved_last), page_order=np.int64(page_order))
 
 
 def score_select_cpu(qg: jax.Array, centroid: jax.Array, kmin: Optional[jax.Array], kmax: Optional[jax.Array],

@@ -480,9 +480,12 @@ void SelectedPages(const float* scores, int64_t num_pages, int64_t position, int
   }
 }
 
+// ``page_order`` != 0: each (row, KV head)'s slots hold SelectedPages' set, ascending, valid slots
+// first: the same pages without the top-k's score order, whose sort is most of a selection's
+// time, for a caller that reads the slots as a set (the teacher-forced scorer's attention).
 ffi::Error SelectPagesImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> scores, ffi::Buffer<ffi::S32> positions,
                            ffi::Buffer<ffi::S32> budget, int64_t k_max, int64_t page_size, int64_t reserved_first,
-                           int64_t reserved_last, ffi::ResultBuffer<ffi::S32> page_idx,
+                           int64_t reserved_last, int64_t page_order, ffi::ResultBuffer<ffi::S32> page_idx,
                            ffi::ResultBuffer<ffi::PRED> page_valid) {
   auto sd = scores.dimensions();
   if (sd.size() != 3) return ffi::Error::InvalidArgument("select_pages_cpu: scores must be [B, Hkv, P]");
@@ -497,8 +500,18 @@ ffi::Error SelectPagesImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> scores, f
     thread_local std::vector<uint32_t> ordered;
     thread_local std::vector<int32_t> top;
     const int64_t row = pair / kv_heads;
-    SelectGroup(sc + pair * num_pages, num_pages, pos[row], bud[row], k_max, page_size, reserved_first,
-                reserved_last, idx + pair * slots, valid + pair * slots, ordered, top);
+    if (page_order == 0) {
+      SelectGroup(sc + pair * num_pages, num_pages, pos[row], bud[row], k_max, page_size, reserved_first,
+                  reserved_last, idx + pair * slots, valid + pair * slots, ordered, top);
+      return;
+    }
+    SelectedPages(sc + pair * num_pages, num_pages, pos[row], bud[row], k_max, page_size, reserved_first,
+                  reserved_last, ordered, top);
+    const int64_t count = static_cast<int64_t>(top.size());
+    for (int64_t slot = 0; slot < slots; ++slot) {
+      valid[pair * slots + slot] = slot < count;
+      idx[pair * slots + slot] = slot < count ? top[slot] : 0;
+    }
   });
   return ffi::Error::Success();
 }
@@ -817,5 +830,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(SparrowSelectPagesCpu, SelectPagesImpl,
                               WithSelectionInputs(ffi::Ffi::Bind()
                                                       .Ctx<ffi::ThreadPool>()
                                                       .Arg<ffi::Buffer<ffi::F32>>())  // scores
+                                  .Attr<int64_t>("page_order")
                                   .Ret<ffi::Buffer<ffi::S32>>()    // page_idx
                                   .Ret<ffi::Buffer<ffi::PRED>>()); // page_valid
