@@ -57,7 +57,7 @@ class RMSNorm(nnx.Module):
 
 
 def rotary(positions: jax.Array, head_dim: int, theta: float) -> tuple[jax.Array, jax.Array]:
-    """(cos, sin) of the rotary angles, each [B, T, 1, D] for positions [B, T]: computed once per
+    """(cos, sin) of the rotary angles, each [B, T, 1, D] for positions [B, T] (B may be 1): computed once per
     forward and shared by every layer's q and k (XLA would otherwise evaluate the transcendentals
     once per consumer: four times per layer, several percent of a tiny model's CPU decode step)."""
     inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
@@ -141,7 +141,7 @@ class Qwen3(nnx.Module):
 
     def __call__(self, tokens: jax.Array, positions: jax.Array, attention: AttentionFn,
                  remat: bool = False, outputs_from: int = 0) -> jax.Array:
-        """tokens, positions: int32 [B, T] -> final-norm hidden states [B, T - outputs_from, hidden]
+        """tokens int32 [B, T], positions int32 [B or 1, T] -> final-norm hidden states [B, T - outputs_from, hidden]
         of positions outputs_from.. (the last layer computes only those; every earlier one all)."""
         x = self.embed_tokens[...].astype(self.config.compute_dtype)[tokens]
         cos_sin = rotary(positions, self.config.head_dim, self.config.rope_theta)
