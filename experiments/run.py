@@ -16,6 +16,8 @@ def main(spec) -> None:
     from sparrow_jax.run.memory_check import check_run_memory
     if check_run_memory(spec):  # prints the memory plan, refuses one that cannot fit; True: a dry run
         return
+    from sparrow_jax.run.allocator import keep_freed_memory
+    keep_freed_memory()  # a train step after a rollout would otherwise fault its buffers in again
     from sparrow_jax.run.pipeline import run_pipeline  # deferred: keeps --help fast
     run_pipeline(spec)
 

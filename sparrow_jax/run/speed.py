@@ -19,6 +19,7 @@ import jax
 import numpy as np
 
 from sparrow_jax.rl.context import RunContext
+from sparrow_jax.run.allocator import keep_freed_memory
 from sparrow_jax.rollout import SparsitySchedule, generate, generate_continuous
 
 if TYPE_CHECKING:  # annotations only: the benchmarks import this module without the trainer
@@ -30,7 +31,10 @@ T = TypeVar("T")
 def alternate(runs: dict[str, Callable[[], T]], repeats: int, warmup: int = 1) -> dict[str, list[T]]:
     """Call every run ``warmup`` times untimed (compiles every shape the timed calls use), then
     ``repeats`` rounds calling each run once in turn, so that other load on the machine hits
-    every side alike. Returns ``{name: [what the run returned, one per round]}``."""
+    every side alike. Returns ``{name: [what the run returned, one per round]}``. Freed host memory
+    stays in the process (:func:`keep_freed_memory`), so no side pays for the pages the side before
+    it gave back."""
+    keep_freed_memory()
     for run in runs.values():
         for _ in range(warmup):
             run()
