@@ -19,8 +19,12 @@ is reported. GFLOP/s count the same useful FLOPs for both sides (:func:`step_flo
 of the weights and of causal attention over the keys each query sees, the backward pass twice
 the forward; not the work on prompt positions whose outputs no loss or statistic reads, which
 the reference does and the fast side mostly skips). ``matmul_peak_gflops``: the best of a
-``--peak_size``-square float32 matmul timed in the same run, before and after. The last stdout
-line is JSON with both sides, their ratio per length and ``fast_fraction_of_peak``.
+``--peak_size``-square float32 matmul timed in the same run, before and after;
+``fast_fraction_of_peak``: the fast side's median GFLOP/s over it. The peak is also timed in
+every round, right after the fast side (the best of 3 matmuls): ``fast_fraction_of_peak_paired``
+is the median over rounds of the fast step's GFLOP/s over the peak of its own round, which a
+machine whose speed drifts within the run (other load) does not bias. The last stdout line is
+JSON with both sides, their ratio per length and both fractions.
 """
 from __future__ import annotations
 
@@ -97,13 +101,17 @@ def step_flops(config: Qwen3Config, rows: int, length: int, schedule: SparsitySc
     return (4 if old_pass else 3) * dense + sparse + logits
 
 
-def matmul_peak_gflops(size: int, repeats: int = 5) -> float:
-    """Best GFLOP/s of a ``size``-square float32 matmul on this backend."""
+def matmul_peak_runner(size: int, repeats: int = 5):
+    """A closure returning the best GFLOP/s of ``repeats`` ``size``-square float32 matmuls on this backend."""
     a = jax.random.normal(jax.random.PRNGKey(0), (size, size), jnp.float32)
     mm = jax.jit(lambda x, y: x @ y)
     jax.block_until_ready(mm(a, a))
-    best = min(seconds(lambda: mm(a, a)) for _ in range(repeats))
-    return 2 * size ** 3 / best / 1e9
+    return lambda: 2 * size ** 3 / min(seconds(lambda: mm(a, a)) for _ in range(repeats)) / 1e9
+
+
+def matmul_peak_gflops(size: int, repeats: int = 5) -> float:
+    """Best GFLOP/s of a ``size``-square float32 matmul on this backend."""
+    return matmul_peak_runner(size, repeats)()
 
 
 def _train_step_runner(config, schedule, rows, length, impl, seed=0):
@@ -155,18 +163,24 @@ def measure(lengths, repeats: int, tokens_per_step: int, topk: int, model: str =
             schedule = SparsitySchedule(topk=(topk,), **layout)
             flops = step_flops(config, rows, length, schedule, prompt=int(length * PROMPT_SHARE))
             runners = {side: _train_step_runner(config, schedule, rows, length, impl) for side, impl in SIDES.items()}
-        times = alternate(runners, repeats)  # the untimed first call compiles
+        # the peak is timed in the same rounds too, right after the fast side: this machine's speed
+        # moves by 10-20% within minutes, so each fast step is also set against the peak of its moment
+        times = alternate(dict(runners, peak=matmul_peak_runner(peak_size, 3)), repeats)  # untimed first calls compile
+        peaks = np.asarray(times.pop("peak"))
         entry = {"length": length, "rows": rows, "gflop": flops / 1e9}
         for side, ts in times.items():
             median = float(np.median(ts))
             entry[side] = {"median_s": median, "times_s": ts, "gflops": flops / median / 1e9}
         entry["speedup"] = entry["reference"]["median_s"] / entry["fast"]["median_s"]
+        entry["matmul_peak_paired_gflops"] = peaks.tolist()
+        entry["fast_fraction_of_peak_paired"] = float(np.median(flops / np.asarray(times["fast"]) / 1e9 / peaks))
         entry["fast_fraction_of_peak"] = entry["fast"]["gflops"] / peak
         results.append(entry)
         print(f"T={length:6d} rows={rows:3d}: reference {entry['reference']['median_s']:8.3f} s "
               f"({entry['reference']['gflops']:6.1f} GFLOP/s), fast {entry['fast']['median_s']:8.3f} s "
-              f"({entry['fast']['gflops']:6.1f} GFLOP/s), {entry['speedup']:.2f}x", flush=True)
-    peak = max(peak, matmul_peak_gflops(peak_size))  # the best of before and after
+              f"({entry['fast']['gflops']:6.1f} GFLOP/s), {entry['speedup']:.2f}x; fast / the peak timed beside "
+              f"it {entry['fast_fraction_of_peak_paired']:.1%}", flush=True)
+    peak = max(peak, matmul_peak_gflops(peak_size))  # the best of before and after (not the paired ones)
     print(f"matmul peak {peak:.1f} GFLOP/s", flush=True)
     for entry in results:
         entry["fast_fraction_of_peak"] = entry["fast"]["gflops"] / peak

@@ -16,6 +16,8 @@ def test_bench_runs_both_sides_and_prints_the_json_line(capsys):
     assert (entry["length"], entry["rows"]) == (64, 2) and line["matmul_peak_gflops"] > 0
     assert entry["speedup"] == pytest.approx(entry["reference"]["median_s"] / entry["fast"]["median_s"])
     assert entry["fast_fraction_of_peak"] == pytest.approx(entry["fast"]["gflops"] / line["matmul_peak_gflops"])
+    (peak,) = entry["matmul_peak_paired_gflops"]  # one round: the fast step over the peak timed beside it
+    assert entry["fast_fraction_of_peak_paired"] == pytest.approx(entry["fast"]["gflops"] / peak)
 
 
 def test_flop_model_counts_causal_pairs_and_the_sparse_budget():
