@@ -141,6 +141,26 @@ def test_presets_match_published_configs():
 
 
 @pytest.mark.parametrize("dtype, tol", [(jnp.float32, 1e-5), (jnp.bfloat16, 2e-2)])
+def test_linear_cpu_backward_matches_autodiff(dtype, tol):
+    """The linear layers' hand-written CPU backward against jax's autodiff of ``x @ w``: values equal
+    bit for bit, gradients within f32 summation order (bf16: its rounding), relative to each
+    gradient's largest entry, for token axes of any rank."""
+    from sparrow_jax.models.linear import linear
+
+    r = np.random.RandomState(1)
+    for x_shape in [(3, 37, 16), (41, 16), (2, 3, 5, 16)]:
+        x, w, c = (jnp.asarray(r.randn(*s), dtype) for s in (x_shape, (16, 24), (*x_shape[:-1], 24)))
+        loss = lambda f: lambda a, b: jnp.sum((f(a, b) * c).astype(jnp.float32))  # noqa: E731
+        np.testing.assert_array_equal(np.asarray(linear(x, w), np.float32), np.asarray(jnp.dot(x, w), np.float32))
+        got = jax.grad(loss(linear), argnums=(0, 1))(x, w)
+        ref = jax.grad(loss(jnp.dot), argnums=(0, 1))(x, w)
+        for g, e in zip(got, ref):
+            assert g.dtype == e.dtype and g.shape == e.shape
+            e32 = np.asarray(e, np.float32)
+            assert np.max(np.abs(np.asarray(g, np.float32) - e32)) <= tol * np.max(np.abs(e32))
+
+
+@pytest.mark.parametrize("dtype, tol", [(jnp.float32, 1e-5), (jnp.bfloat16, 2e-2)])
 def test_swiglu_cpu_backward_matches_autodiff(dtype, tol):
     """The MLP's hand-written CPU backward against jax's autodiff of the same forward: values equal
     bit for bit, gradients within f32 summation order (bf16: its rounding), relative to each

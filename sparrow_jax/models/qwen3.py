@@ -22,6 +22,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from sparrow_jax.models.config import Qwen3Config
+from sparrow_jax.models.linear import linear
 from sparrow_jax.models.swiglu import swiglu
 
 Params = dict[str, Any]
@@ -42,7 +43,7 @@ class Linear(nnx.Module):
         self.dtype = config.compute_dtype
 
     def __call__(self, x):
-        return jnp.dot(x.astype(self.dtype), self.kernel[...].astype(self.dtype))
+        return linear(x.astype(self.dtype), self.kernel[...].astype(self.dtype))
 
 
 class RMSNorm(nnx.Module):
