@@ -27,7 +27,7 @@ from sparrow_jax.models.qwen3 import Params, bind
 
 def _positions(tokens):
     """Positions 0..T-1 of every row, int32 [1, T]: one row, so the rotary tables are computed once
-    per position rather than once per row and position (~1% of the quickstart's train step)."""
+    per position rather than once per row and position (the quickstart's train step -2.3%, paired)."""
     return jnp.arange(tokens.shape[1], dtype=jnp.int32)[None]
 
 
