@@ -17,6 +17,7 @@ and ``sparse_decode(impl="auto")`` keeps the pure-XLA path.
 from __future__ import annotations
 
 import ctypes
+import fcntl
 import functools
 import hashlib
 import os
@@ -44,7 +45,7 @@ FLASH_FORWARD_TARGET = "sparrow_flash_forward_cpu"
 FLASH_BACKWARD_TARGET = "sparrow_flash_backward_cpu"
 SOURCES = tuple(Path(__file__).with_name(name) for name in ("sparse_decode_cpu.cc", "flash_attention_cpu.cc"))
 HEADERS = (Path(__file__).with_name("parallel_for.h"),)
-FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp-simd", "-std=c++17", "-shared", "-fPIC")
+FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp-simd", "-std=c++17", "-fPIC")  # each source to an object
 
 
 def _cpu_signature() -> str:
@@ -68,19 +69,37 @@ def _library_path(compiler: str) -> Path:
 
 
 def _build(compiler: str, out: Path) -> None:
-    """Compile to a temporary file next to ``out`` and rename it in place (atomic)."""
+    """Compile the sources to objects in parallel, link them next to ``out`` and rename the library
+    in place (atomic). Under an exclusive lock on ``out``'s folder: processes that start together
+    (test workers, jobs sharing a home directory) build once, and the ones that waited load it."""
     out.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
-    os.close(fd)
+    with open(out.parent / "build.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if out.exists():
+            return
+        with tempfile.TemporaryDirectory(dir=out.parent) as work:
+            objects = [str(Path(work) / f"{source.stem}.o") for source in SOURCES]
+            compiles = [[compiler, *FLAGS, "-w", f"-I{jax.ffi.include_dir()}", "-c", str(source), "-o", obj]
+                        for source, obj in zip(SOURCES, objects)]
+            running = [subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                       for cmd in compiles]
+            for cmd, proc in zip(compiles, running):
+                _check(cmd, proc)
+            library = str(Path(work) / out.name)
+            link = [compiler, "-shared", *objects, "-o", library]
+            _check(link, subprocess.Popen(link, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True))
+            os.replace(library, out)
+
+
+def _check(cmd: list[str], proc: subprocess.Popen) -> None:
     try:
-        cmd = [compiler, *FLAGS, "-w", f"-I{jax.ffi.include_dir()}", *map(str, SOURCES), "-o", tmp]
-        result = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-        if result.returncode != 0:
-            raise RuntimeError(f"{' '.join(cmd)} failed:\n{result.stderr[-4000:]}")
-        os.replace(tmp, out)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
+        _, err = proc.communicate(timeout=300)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.communicate()
+        raise RuntimeError(f"{' '.join(cmd)} took over 300 s")
+    if proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed:\n{err[-4000:]}")
 
 
 @functools.lru_cache(maxsize=None)
