@@ -48,5 +48,8 @@ def test_timed_step_equals_train_step(case):
     assert set(got) == set(want)
     for k in want:
         np.testing.assert_allclose(got[k], np.asarray(want[k]), rtol=1e-5, atol=1e-6, err_msg=k)
+    # Adam divides each gradient by its own scale, so a near-zero gradient's round-off (the phases
+    # are separate programs: other summation orders) can move its update by a few 1e-3 of a step: the
+    # states agree within 1% of one step (lr = 1e-3), a missing or extra term moves them by ~lr.
     for a, b in zip(jax.tree.leaves((want_state, want_lora)), jax.tree.leaves((got_state, got_lora))):
-        np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-5, atol=1e-2 * 1e-3)
