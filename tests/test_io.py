@@ -336,7 +336,7 @@ _RESHARD_CHILD = textwrap.dedent(
 def test_restore_onto_other_sharding(tmp_path):
     """Saved from one device, restored split over a 2-device mesh (a child with 2 CPU devices)."""
     env = dict(os.environ, PYTHONPATH=str(REPO), JAX_PLATFORMS="cpu",
-               XLA_FLAGS="--xla_force_host_platform_device_count=2")
+               XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=2")
     res = subprocess.run([sys.executable, "-c", _RESHARD_CHILD, str(tmp_path / "ck")], env=env,
                          capture_output=True, text=True, timeout=120)
     assert res.returncode == 0 and res.stdout.strip().endswith("OK"), res.stderr[-2000:]

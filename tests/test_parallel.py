@@ -306,8 +306,8 @@ _CHILD = textwrap.dedent(
 @pytest.fixture(scope="module")
 def eight_devices(tmp_path_factory):
     env = dict(os.environ, PYTHONPATH=str(REPO), JAX_PLATFORMS="cpu",
-               # 8 fake devices; LLVM -O0 cuts the CPU compile time ~3x (same flags for both sides)
-               XLA_FLAGS="--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0")
+               # 8 fake devices, with the suite's compile-time flags (tests/conftest.py)
+               XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=8")
     res = subprocess.run([sys.executable, "-c", _CHILD, str(tmp_path_factory.mktemp("ckpt"))], env=env,
                          capture_output=True, text=True, timeout=300, cwd=REPO)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-5000:]
