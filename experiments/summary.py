@@ -22,7 +22,7 @@ from absl import app
 
 from sparrow_jax.io.metrics import read_histograms, read_metrics
 from sparrow_jax.io.plots import plot_curves
-from sparrow_jax.run.final_eval import FINAL_EVAL_FILE, format_final_eval, paired_figures
+from sparrow_jax.run.final_eval_figures import FINAL_EVAL_FILE, format_final_eval, paired_figures
 from sparrow_jax.run.report import generated_tokens_per_s, reward_window, training_report, training_rows
 
 USAGE = "usage: python -m experiments.summary <workdir>"

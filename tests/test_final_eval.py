@@ -10,8 +10,8 @@ import pytest
 
 from sparrow_jax.io.checkpoint import CheckpointManager
 from sparrow_jax.run import final_eval
-from sparrow_jax.run.final_eval import (FINAL_EVAL_FILE, evaluate_final, final_eval_pending, final_eval_rows,
-                                        format_final_eval, paired_figures)
+from sparrow_jax.run.final_eval import evaluate_final, final_eval_pending, final_eval_rows
+from sparrow_jax.run.final_eval_figures import FINAL_EVAL_FILE, format_final_eval, paired_figures
 from sparrow_jax.run.specs import ConfigError, parse_spec
 from sparrow_jax.run.workdir import check_workdir, write_config
 

@@ -7,10 +7,11 @@ import numpy as np
 import pytest
 
 from sparrow_jax.io.metrics import HistogramWriter, MetricWriter, read_histograms, read_metrics
-from sparrow_jax.mismatch.tail import binned_histogram_jax, histogram_percentile, query_positions
+from sparrow_jax.mismatch.tail import binned_histogram_jax, query_positions
 from sparrow_jax.run.report import (generated_tokens_per_s, measured_sparse_token_fraction, p5_dips,
                                     p5_hold_fraction, p5_min_step_by_bin, pooled_p5_by_bin, training_report,
                                     val_series)
+from sparrow_jax.stats import histogram_percentile
 
 
 def test_pooled_histogram_percentile_matches_numpy_on_the_pooled_tokens():
@@ -80,7 +81,7 @@ def test_p5_dips_name_the_budget_move_into_each_dip():
 
 
 def test_val_series_start_end_and_every_point():
-    val = lambda s, m, se: {f"val/dense/reward_mean@2": m, "val/dense/reward_mean@2_se": se,  # noqa: E731
+    val = lambda s, m, se: {"val/dense/reward_mean@2": m, "val/dense/reward_mean@2_se": se,  # noqa: E731
                             "val/dense/success@2": 0.25, "val/dense/success@2_se": float("nan"), "step": s}
     records = [val(0, 0.1, 0.01), _row(1, {}), {**_row(2, {}), **val(2, 0.3, 0.02)}, val(4, 0.4, 0.03)]
     got = val_series(records, "dense", 2)

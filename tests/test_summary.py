@@ -99,3 +99,12 @@ def test_phase_seconds_is_the_median_after_the_first_step():
 def test_bad_input_is_one_line_and_exit_2(args):
     proc = subprocess.run([sys.executable, "-m", "experiments.summary", *args], capture_output=True, text=True)
     assert proc.returncode == 2 and proc.stderr.startswith("error: ") and len(proc.stderr.splitlines()) == 1
+
+
+def test_summary_reads_a_workdir_without_starting_jax():
+    """The summary only reads files: importing it pulls in no jax, flax or optax (their imports
+    were most of its ~8 s a call)."""
+    code = "import sys, experiments.summary; print([m for m in ('jax', 'flax', 'optax') if m in sys.modules])"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "[]"

@@ -10,7 +10,7 @@ tokens pooled across the batch in each bin.
   binned_tail_jax        jittable p / mean / count per bin, the last bin pooling later positions
   query_positions        the position a token is binned at (that of the query that produced it)
   binned_histogram_jax   jittable per-bin counts of values in [0, 1] on a 1e-3 grid (poolable over steps)
-  histogram_percentile   a percentile of pooled counts, within half a bucket of the exact one
+  (sparrow_jax.stats.histogram_percentile reads a percentile of the pooled counts)
   TailAccumulator        host-side, across batches (exact, or reservoir-capped)
 """
 from __future__ import annotations
@@ -207,7 +207,8 @@ def binned_histogram_jax(values: Array, positions: Array, mask: Array, num_bins:
 
     Same binning as :func:`binned_tail_jax`; value ``v`` goes to bucket ``min(floor(v * buckets),
     buckets - 1)`` (values outside [0, 1] are clipped into the end buckets). Counts of several
-    batches add up to the counts of their pooled tokens, which :func:`histogram_percentile` reads.
+    batches add up to the counts of their pooled tokens, which
+    :func:`sparrow_jax.stats.histogram_percentile` reads.
     values float [B, T], positions int [B, T] >= 0, mask [B, T].
     """
     bins = position_bins(jnp.asarray(positions), _check_bin_width(bin_width), num_bins).reshape(-1)
@@ -217,24 +218,6 @@ def binned_histogram_jax(values: Array, positions: Array, mask: Array, num_bins:
     flat = jax.ops.segment_sum(weight, bins * buckets + bucket, num_bins * buckets)
     return flat.reshape(num_bins, buckets)
 
-
-def histogram_percentile(counts: Array, q: float = 5.0) -> float:
-    """The ``q``-th percentile of the values counted in ``counts`` (int [buckets] over [0, 1]).
-
-    numpy's "linear" rule on the order statistics, each taken at its bucket's centre, so the
-    result is within half a bucket (5e-4 for 1000 buckets) of ``np.percentile`` of the values
-    themselves. NaN for no values.
-    """
-    counts = np.asarray(counts, np.int64)
-    n = int(counts.sum())
-    if n == 0:
-        return math.nan
-    rank = (n - 1) * float(q) / 100.0
-    lo = int(math.floor(rank))
-    cum = np.cumsum(counts)
-    centre = lambda i: (int(np.searchsorted(cum, i, side="right")) + 0.5) / counts.size  # noqa: E731
-    a, b = centre(lo), centre(min(lo + 1, n - 1))
-    return float(a + (b - a) * (rank - lo))
 
 
 def percentile_key(q: float) -> str:

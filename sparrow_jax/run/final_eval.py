@@ -7,9 +7,10 @@ its prompts; an arm's change and its gap to the dense arm then get unpaired erro
 the prompt-to-prompt spread (some prompts are hard for every policy) twice. Here every policy meets
 the same prompts with the same sampling key (common random numbers), so the per-prompt differences
 (end - start, arm - dense) cancel what the prompts share, and their standard errors are those of
-the differences (:func:`paired_figures`). Kept in ``<workdir>/final_eval.json``, one entry per
-policy written as soon as it is evaluated: an interrupted evaluation resumes where it stopped, and
-a finished study gains the evaluation when rerun with ``study.final_eval_prompts`` set.
+the differences (:func:`sparrow_jax.run.final_eval_figures.paired_figures`). Kept in
+``<workdir>/final_eval.json``, one entry per policy written as soon as it is evaluated: an
+interrupted evaluation resumes where it stopped, and a finished study gains the evaluation when
+rerun with ``study.final_eval_prompts`` set.
 """
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ import dataclasses
 import json
 import os
 import time
-from typing import Callable, Optional
+from typing import Callable
 
 import jax
 import numpy as np
@@ -27,14 +28,11 @@ from sparrow_jax.io import atomic_write_json
 from sparrow_jax.io.checkpoint import CheckpointManager, run_policy_params
 from sparrow_jax.rl.trainer import evaluate_per_prompt
 from sparrow_jax.run.context import build_examples, build_run_context
-from sparrow_jax.run.headline import combine_seeds
+from sparrow_jax.run.final_eval_figures import FINAL_EVAL_FILE, START, run_name
 from sparrow_jax.run.specs import RunSpec
 from sparrow_jax.sft.model_source import build_model
-from sparrow_jax.stats import mean_and_se
 
-FINAL_EVAL_FILE = "final_eval.json"
 FINAL_EVAL_KEY = 10**6 + 1  # folded into PRNGKey(seed): a key no training step or validation draws
-START = "start"  # the policy the arms started from
 
 
 def final_eval_rows(spec: RunSpec, task: Task) -> list[dict]:
@@ -42,10 +40,6 @@ def final_eval_rows(spec: RunSpec, task: Task) -> list[dict]:
     draws them, more of them (the validation prompts come first; a generated task holds out rows
     after its training rows, a dataset its first ``task.num_eval``)."""
     return build_examples(dataclasses.replace(spec.task, num_eval=spec.study.final_eval_prompts), task)[1]
-
-
-def run_name(arm: str, seed: int) -> str:
-    return f"{arm}/seed_{seed}"
 
 
 def start_name(spec: RunSpec, seed: int) -> str:
@@ -115,65 +109,3 @@ def evaluate_final(spec: RunSpec, arm_workdirs: dict[str, dict[int, str]]) -> di
         print(f"[final eval] {name}: reward_mean@{k} {np.mean(per_prompt[f'reward_mean@{k}']):.3f} on {n} prompts "
               f"({time.perf_counter() - t0:.0f} s)", flush=True)
     return data
-
-
-def _paired(pairs: list[tuple[np.ndarray, Optional[np.ndarray]]]) -> tuple[Optional[float], Optional[float]]:
-    """Over seeds: the mean over prompts of ``a - b`` (``a`` alone when ``b`` is None) and its standard
-    error (:func:`~sparrow_jax.run.headline.combine_seeds`: the per-seed error over prompts, plus the
-    spread between seeds)."""
-    stats = [mean_and_se(a if b is None else a - b) for a, b in pairs]
-    return combine_seeds([m for m, _ in stats], [s for _, s in stats])
-
-
-def paired_figures(data: dict) -> dict:
-    """The final evaluation's figures from :func:`evaluate_final`'s record (the runs evaluated so far;
-    the start policy is one entry, or one per seed).
-
-    -> ``{"prompts", "k", <metric>: {"start", "start_se", "arms": {arm: {"seeds", "end", "end_se",
-    "change", "change_se", "vs_dense", "vs_dense_se"}}}}`` for ``reward_mean@k`` and
-    ``reward_greedy``: ``change`` is the end minus the start policy's reward on the same prompts,
-    ``vs_dense`` the arm's minus the dense arm's at the same seed (absent for the dense arm or without
-    it); every error is over prompts and seeds (:func:`_paired`)."""
-    runs = data["runs"]
-    start_of = lambda seed: START if START in runs else run_name(START, seed)  # noqa: E731
-    done: dict[str, list[int]] = {}
-    for name in runs:
-        arm, _, seed = name.rpartition("/seed_")
-        if arm and arm != START:
-            done.setdefault(arm, []).append(int(seed))
-    out = {"prompts": data["prompts"], "k": data["k"]}
-    for metric in (f"reward_mean@{data['k']}", "reward_greedy"):
-        values = lambda name: np.asarray(runs[name][metric], np.float64)  # noqa: E731
-        starts = [values(n) for n in sorted({start_of(s) for ss in done.values() for s in ss}) if n in runs]
-        start, start_se = _paired([(x, None) for x in starts])
-        arms = {}
-        for arm, seeds in done.items():
-            seeds = [s for s in sorted(seeds) if start_of(s) in runs]
-            row = {"seeds": seeds}
-            end = [values(run_name(arm, s)) for s in seeds]
-            row["end"], row["end_se"] = _paired([(x, None) for x in end])
-            row["change"], row["change_se"] = _paired([(x, values(start_of(s))) for x, s in zip(end, seeds)])
-            dense = [s for s in seeds if run_name("dense", s) in runs]
-            if arm != "dense" and dense:
-                row["vs_dense"], row["vs_dense_se"] = _paired([(values(run_name(arm, s)), values(run_name("dense", s)))
-                                                               for s in dense])
-            arms[arm] = row
-        out[metric] = {"start": start, "start_se": start_se, "arms": arms}
-    return out
-
-
-def format_final_eval(figures: dict) -> list[str]:
-    """The figures of :func:`paired_figures` as one line per arm (the mean@k metric)."""
-    metric = f"reward_mean@{figures['k']}"
-    f = figures[metric]
-
-    def pm(x, se, sign=""):
-        return "-" if x is None else f"{x:{sign}.3f}" + ("" if se is None else f"±{se:.3f}")
-
-    lines = [f"[final eval] dense {metric} on {figures['prompts']} held-out prompts, paired over prompts and "
-             f"seeds; start {pm(f['start'], f['start_se'])}"]
-    for arm, row in f["arms"].items():
-        lines.append(f"[final eval] {arm:>17}: end {pm(row['end'], row['end_se'])}, change "
-                     f"{pm(row['change'], row['change_se'], '+')}, vs dense "
-                     f"{pm(row.get('vs_dense'), row.get('vs_dense_se'), '+')} (seeds {row['seeds']})")
-    return lines

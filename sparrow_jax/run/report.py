@@ -11,8 +11,7 @@ from typing import Optional
 import numpy as np
 
 from sparrow_jax.io.metrics import logged_bins
-from sparrow_jax.mismatch.tail import histogram_percentile
-from sparrow_jax.stats import difference_se, mean_and_se
+from sparrow_jax.stats import difference_se, histogram_percentile, mean_and_se
 
 
 def training_rows(records: list[dict]) -> list[dict]:

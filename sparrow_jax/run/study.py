@@ -29,7 +29,8 @@ from sparrow_jax.rl.context import RunContext
 from sparrow_jax.rl.trainer import TrainResult, train
 from sparrow_jax.run.calibration import calibrate_run
 from sparrow_jax.run.context import build_run_context, build_schedule
-from sparrow_jax.run.final_eval import evaluate_final, final_eval_pending, format_final_eval, paired_figures
+from sparrow_jax.run.final_eval import evaluate_final, final_eval_pending
+from sparrow_jax.run.final_eval_figures import format_final_eval, paired_figures
 from sparrow_jax.run.headline import SeedRun, arm_summary, relative_step_time
 from sparrow_jax.run.study_plots import plot_headline, plot_study
 from sparrow_jax.run.report import (generated_tokens_per_s, reward_start_end, reward_window, training_report,

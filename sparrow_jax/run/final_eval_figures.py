@@ -1,0 +1,81 @@
+"""The study's final evaluation figures (:mod:`sparrow_jax.run.final_eval` evaluates), from its
+record alone: paired differences over prompts and seeds, and their report lines. numpy only, so
+``experiments.summary`` reads a study without starting jax.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import numpy as np
+
+from sparrow_jax.run.headline import combine_seeds
+from sparrow_jax.stats import mean_and_se
+
+FINAL_EVAL_FILE = "final_eval.json"
+START = "start"  # the policy the arms started from
+
+
+def run_name(arm: str, seed: int) -> str:
+    return f"{arm}/seed_{seed}"
+
+
+def _paired(pairs: list[tuple[np.ndarray, Optional[np.ndarray]]]) -> tuple[Optional[float], Optional[float]]:
+    """Over seeds: the mean over prompts of ``a - b`` (``a`` alone when ``b`` is None) and its standard
+    error (:func:`~sparrow_jax.run.headline.combine_seeds`: the per-seed error over prompts, plus the
+    spread between seeds)."""
+    stats = [mean_and_se(a if b is None else a - b) for a, b in pairs]
+    return combine_seeds([m for m, _ in stats], [s for _, s in stats])
+
+
+def paired_figures(data: dict) -> dict:
+    """The final evaluation's figures from :func:`evaluate_final`'s record (the runs evaluated so far;
+    the start policy is one entry, or one per seed).
+
+    -> ``{"prompts", "k", <metric>: {"start", "start_se", "arms": {arm: {"seeds", "end", "end_se",
+    "change", "change_se", "vs_dense", "vs_dense_se"}}}}`` for ``reward_mean@k`` and
+    ``reward_greedy``: ``change`` is the end minus the start policy's reward on the same prompts,
+    ``vs_dense`` the arm's minus the dense arm's at the same seed (absent for the dense arm or without
+    it); every error is over prompts and seeds (:func:`_paired`)."""
+    runs = data["runs"]
+    start_of = lambda seed: START if START in runs else run_name(START, seed)  # noqa: E731
+    done: dict[str, list[int]] = {}
+    for name in runs:
+        arm, _, seed = name.rpartition("/seed_")
+        if arm and arm != START:
+            done.setdefault(arm, []).append(int(seed))
+    out = {"prompts": data["prompts"], "k": data["k"]}
+    for metric in (f"reward_mean@{data['k']}", "reward_greedy"):
+        values = lambda name: np.asarray(runs[name][metric], np.float64)  # noqa: E731
+        starts = [values(n) for n in sorted({start_of(s) for ss in done.values() for s in ss}) if n in runs]
+        start, start_se = _paired([(x, None) for x in starts])
+        arms = {}
+        for arm, seeds in done.items():
+            seeds = [s for s in sorted(seeds) if start_of(s) in runs]
+            row = {"seeds": seeds}
+            end = [values(run_name(arm, s)) for s in seeds]
+            row["end"], row["end_se"] = _paired([(x, None) for x in end])
+            row["change"], row["change_se"] = _paired([(x, values(start_of(s))) for x, s in zip(end, seeds)])
+            dense = [s for s in seeds if run_name("dense", s) in runs]
+            if arm != "dense" and dense:
+                row["vs_dense"], row["vs_dense_se"] = _paired([(values(run_name(arm, s)), values(run_name("dense", s)))
+                                                               for s in dense])
+            arms[arm] = row
+        out[metric] = {"start": start, "start_se": start_se, "arms": arms}
+    return out
+
+
+def format_final_eval(figures: dict) -> list[str]:
+    """The figures of :func:`paired_figures` as one line per arm (the mean@k metric)."""
+    metric = f"reward_mean@{figures['k']}"
+    f = figures[metric]
+
+    def pm(x, se, sign=""):
+        return "-" if x is None else f"{x:{sign}.3f}" + ("" if se is None else f"±{se:.3f}")
+
+    lines = [f"[final eval] dense {metric} on {figures['prompts']} held-out prompts, paired over prompts and "
+             f"seeds; start {pm(f['start'], f['start_se'])}"]
+    for arm, row in f["arms"].items():
+        lines.append(f"[final eval] {arm:>17}: end {pm(row['end'], row['end_se'])}, change "
+                     f"{pm(row['change'], row['change_se'], '+')}, vs dense "
+                     f"{pm(row.get('vs_dense'), row.get('vs_dense_se'), '+')} (seeds {row['seeds']})")
+    return lines
