@@ -219,7 +219,6 @@ def binned_histogram_jax(values: Array, positions: Array, mask: Array, num_bins:
     return flat.reshape(num_bins, buckets)
 
 
-
 def percentile_key(q: float) -> str:
     """Name of a percentile in result rows: 5.0 -> "p5", 2.5 -> "p2.5"."""
     return f"p{q:g}"
