@@ -40,3 +40,16 @@ def test_warmup_optimizer_is_clipped_adamw_on_its_schedule():
                                                optax.adamw(sched, b1=0.9, b2=0.98, weight_decay=0.01)))
     _same(sft_optimizer(dataclasses.replace(settings, max_grad_norm=0.0)),
           optax.chain(optax.adamw(sched, b1=0.9, b2=0.98, weight_decay=0.01)))
+
+
+def test_rl_optimizer_warmup_scales_each_update_by_its_step():
+    """The k-th update (from 1) of ``warmup_steps`` = N is the constant rate's times min(1, k / N):
+    Adam's moments do not depend on the rate, so with the same gradients only the scale differs."""
+    params = {"w": jnp.zeros((2, 3))}
+    grads = [{"w": jnp.linspace(-2.0, 3.0, 6).reshape(2, 3) * (i + 1) + i} for i in range(6)]
+    warm, const = rl_optimizer(1e-2, 1.0, warmup_steps=4), rl_optimizer(1e-2, 1.0)
+    sw, sc = warm.init(params), const.init(params)
+    for k, g in enumerate(grads, start=1):
+        uw, sw = warm.update(g, sw, params)
+        uc, sc = const.update(g, sc, params)
+        np.testing.assert_allclose(uw["w"], uc["w"] * min(1.0, k / 4), rtol=1e-6, atol=1e-12)

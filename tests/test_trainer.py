@@ -348,7 +348,11 @@ def test_loop_state_resumes_exactly(tmp_path):
     want = {**{f"val/dense/{k}": v for k, v in evaluate(ctx, ctx.params, None, ctx.eval_rows, 2, key).items()},
             **{f"val/sparse/{k}": v for k, v in evaluate(ctx, ctx.params, ctx.schedule, ctx.eval_rows, 2,
                                                          key).items()}}  # the LoRA starts at zero
-    assert {k: v for k, v in records[0].items() if k != "timing_s/validation"} == {"step": 0, **want}
+    assert {k: v for k, v in records[0].items() if k not in ("timing_s/validation", "timing_s/eval")} == {"step": 0, **want}
+    assert records[0]["timing_s/eval"] == records[0]["timing_s/validation"]
+    for r in training_rows(records):  # the four phases are sums of the verl-named parts
+        assert r["timing_s/rollout"] == r["timing_s/gen"] and r["timing_s/eval"] == r["timing_s/validation"]
+        np.testing.assert_allclose(r["timing_s/score"] + r["timing_s/update"], r["timing_s/update_actor"], rtol=1e-9)
     for (step, bins), row in zip(logs["a"][1], training_rows(records)):
         assert step == row["step"]
         assert {b: int(c.sum()) for b, c in bins.items()} == {b: int(row.get(f"mismatch/count/bin_{b}", 0))

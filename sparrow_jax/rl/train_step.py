@@ -142,8 +142,12 @@ def policy_loss_mask(batch: Batch) -> jax.Array:
     return batch.mask if batch.loss_mask is None else batch.loss_mask
 
 
-def make_optimizer(learning_rate: float, max_grad_norm: float = 1.0) -> optax.GradientTransformation:
-    """The RL optimiser: global-norm clipping (off at ``max_grad_norm`` <= 0), then Adam at a constant rate."""
+def make_optimizer(learning_rate: float, max_grad_norm: float = 1.0, warmup_steps: int = 0) -> optax.GradientTransformation:
+    """The RL optimiser: global-norm clipping (off at ``max_grad_norm`` <= 0), then Adam at a constant
+    rate; with ``warmup_steps`` > 0 the k-th update (from 1) runs at ``learning_rate * min(1, k /
+    warmup_steps)`` (the state then also counts updates: a checkpoint restores only into the same choice)."""
+    if warmup_steps > 0:
+        return clipped_adam(lambda count: learning_rate * jnp.minimum(1.0, (count + 1) / warmup_steps), max_grad_norm)
     return clipped_adam(learning_rate, max_grad_norm)
 
 

@@ -278,17 +278,17 @@ def make_loop(spec: RunSpec, ctx: RunContext) -> Loop:
     lora = (lora_config(d), _optimizer(d.learning_rate, max_grad_norm=0.0), distill) if d.enabled else (None,) * 3
     controller = (online_settings(spec.schedule, ctx.schedule, max_len, spec.calibration.tau)
                   if spec.schedule.kind == "online" else None)
-    return Loop(spec, ctx, mesh, _optimizer(tr.learning_rate, tr.max_grad_norm), opts, *lora,
+    return Loop(spec, ctx, mesh, _optimizer(tr.learning_rate, tr.max_grad_norm, tr.lr_warmup_steps), opts, *lora,
                 pool=reward_pool(ctx, spec.task.reward_workers, spec.task.reward_timeout_s), controller=controller,
                 ref_params=ref)
 
 
 @functools.lru_cache(maxsize=None)
-def _optimizer(learning_rate: float, max_grad_norm: float) -> optax.GradientTransformation:
+def _optimizer(learning_rate: float, max_grad_norm: float, warmup_steps: int = 0) -> optax.GradientTransformation:
     """``make_optimizer``, one object per setting: the jitted steps take the optimiser as a static
     argument, so a loop built again in the same process (a resumed run, a study's next arm or seed)
     reuses their compiled programs instead of compiling them anew."""
-    return make_optimizer(learning_rate, max_grad_norm)
+    return make_optimizer(learning_rate, max_grad_norm, warmup_steps)
 
 
 def online_settings(s: ScheduleSpec, layout: SparsitySchedule, max_len: int, tau: float) -> ControllerSettings:
@@ -566,6 +566,24 @@ def rl_step(loop: Loop, state: LoopState) -> tuple[LoopState, dict]:
     return state, {**step_metrics, **metrics, **switch_metrics, **control_metrics}
 
 
+# Where an RL step's time goes, in four phases (the issue tracker's and dashboards' coarse split) over
+# the verl-named parts logged beside them; a phase is logged when any of its parts was timed.
+PHASES = (("timing_s/rollout", ("timing_s/gen",)),
+          ("timing_s/score", ("timing_s/old_log_prob", "timing_s/ref", "timing_s/scoring", "timing_s/probe",
+                              "timing_s/statistics")),
+          ("timing_s/update", ("timing_s/forward_backward", "timing_s/optimizer")),
+          ("timing_s/eval", ("timing_s/validation",)))
+
+
+def phase_timings(metrics: dict) -> dict[str, float]:
+    """``timing_s/rollout`` (sampling), ``timing_s/score`` (log-probs of the old policy, the KL
+    reference and the sparse actor; the online probe; statistics), ``timing_s/update`` (forward,
+    backward and optimiser) and ``timing_s/eval`` (validation): sums of the parts of :data:`PHASES`
+    present in ``metrics``."""
+    return {phase: float(sum(metrics[p] for p in parts if p in metrics))
+            for phase, parts in PHASES if any(p in metrics for p in parts)}
+
+
 # ---- the loop -------------------------------------------------------------------------------
 
 def train(spec: RunSpec, ctx: RunContext, progress: bool = True) -> TrainResult:
@@ -592,7 +610,7 @@ def _run(loop: Loop, progress: bool, resources: contextlib.ExitStack) -> TrainRe
     history, streak = [], 0
     if state.step == 0 < spec.steps:  # the starting point, before any update
         final_eval = validation(loop, state)
-        writer.write(0, final_eval)
+        writer.write(0, {**final_eval, **phase_timings(final_eval)})
     while state.step < spec.steps:
         state, metrics = rl_step(loop, state)
         streak = nonfinite_streak(streak, metrics["actor/nonfinite_updates"], spec.train.max_nonfinite_steps)
@@ -600,6 +618,7 @@ def _run(loop: Loop, progress: bool, resources: contextlib.ExitStack) -> TrainRe
         if state.step % every == 0 or state.step == spec.steps:
             final_eval = validation(loop, state)
             metrics.update(final_eval)
+        metrics.update(phase_timings(metrics))
         if alpha_hist is not None:
             hist_writer.write(state.step, alpha_hist, loop.opts.bin_starts)
         writer.write(state.step, metrics)

@@ -148,6 +148,7 @@ class TrainSpec:
     max_nonfinite_steps: int
     remat: bool
     random_reward: bool  # the control arm: learn from coin flips with the batch's mean reward
+    lr_warmup_steps: int = 0  # steps of linear learning-rate warm-up from 0 (0: constant from the first step)
 
 
 @_spec
@@ -325,7 +326,7 @@ POSITIVE = ("steps", "checkpoint_every", "keep_checkpoints", "eval_k", "rollout.
 NON_NEGATIVE = ("eval_every", "task.preamble_tokens", "task.min_lines", "task.far_every", "task.gap_tokens", "rollout.temperature", "rollout.top_k", "schedule.topk",
                 "schedule.reserved_first", "schedule.reserved_last", "train.learning_rate", "train.max_grad_norm",
                 "train.clip_low", "train.clip_high", "train.dual_clip", "train.tis_cap", "train.kl_coef",
-                "train.entropy_coef", "train.tis_mask_low", "train.tis_mask_high", "train.overlong_buffer",
+                "train.entropy_coef", "train.lr_warmup_steps", "train.tis_mask_low", "train.tis_mask_high", "train.overlong_buffer",
                 "train.overlong_penalty", "train.dynamic_sampling_rounds", "train.max_nonfinite_steps",
                 "distill.learning_rate", "distill.kl_coef", "distill.tis_cap", "distill.switch_topk",
                 "distill.switch_every", "calibration.min_count", "calibration.revalidate_rounds",
