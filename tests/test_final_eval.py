@@ -91,7 +91,7 @@ def test_evaluate_final_pairs_every_policy_on_the_same_prompts_and_key_and_resum
     assert set(data["runs"]) == {"start/seed_0", "start/seed_1", "dense/seed_0", "dense/seed_1", "calibrated/seed_0",
                                  "calibrated/seed_1"}
     assert all(len(v) == 3 for r in data["runs"].values() for v in r.values())
-    assert json.loads((tmp_path / FINAL_EVAL_FILE).read_text()) == data
+    assert json.loads((tmp_path / FINAL_EVAL_FILE).read_text()) == data and data["steps"] == spec.steps
     for s in (0, 1):  # the same params on the same prompts with the same key: the same rewards, prompt by prompt
         assert data["runs"][f"calibrated/seed_{s}"] == data["runs"][f"start/seed_{s}"]
     fig = paired_figures(data)["reward_mean@2"]["arms"]["calibrated"]
@@ -106,6 +106,8 @@ def test_evaluate_final_pairs_every_policy_on_the_same_prompts_and_key_and_resum
     monkeypatch.setattr(final_eval, "evaluate_per_prompt", counted)
     assert evaluate_final(spec, {a: {s: str(w) for s, w in by.items()} for a, by in workdirs.items()}) == data
     assert calls == []  # every policy was evaluated: nothing runs again
+    with pytest.raises(ValueError, match="last step 3"):  # arms continued to 3 steps: their entries are stale
+        evaluate_final(_tiny_spec(tmp_path, steps=3), {a: {s: str(w) for s, w in by.items()} for a, by in workdirs.items()})
     data["runs"].pop("dense/seed_1")  # as if interrupted before the last one
     (tmp_path / FINAL_EVAL_FILE).write_text(json.dumps(data))
     again = evaluate_final(spec, {a: {s: str(w) for s, w in by.items()} for a, by in workdirs.items()})
@@ -148,5 +150,6 @@ def test_a_finished_study_continues_only_to_add_its_final_evaluation(tmp_path):
     check_workdir(new)  # the final evaluation trains nothing: allowed
     with pytest.raises(ConfigError, match="study.low_tau"):
         check_workdir(_tiny_spec(tmp_path, prompts=64, low_tau=0.5))
-    assert final_eval_pending(new, {"steps": 2}) and final_eval_pending(new, {"final_eval": {"prompts": 3}})
-    assert not final_eval_pending(new, {"final_eval": {"prompts": 64}}) and not final_eval_pending(old, {})
+    assert final_eval_pending(new, {"steps": 2}) and final_eval_pending(new, {"final_eval": {"prompts": 3, "steps": 2}})
+    assert final_eval_pending(new, {"final_eval": {"prompts": 64, "steps": 1}})  # arms continued since
+    assert not final_eval_pending(new, {"final_eval": {"prompts": 64, "steps": 2}}) and not final_eval_pending(old, {})

@@ -48,9 +48,11 @@ def start_name(spec: RunSpec, seed: int) -> str:
 
 
 def final_eval_pending(spec: RunSpec, report: dict) -> bool:
-    """Whether a finished study's ``report`` lacks the final evaluation its spec asks for."""
+    """Whether a finished study's ``report`` lacks the final evaluation its spec asks for (of as many
+    prompts, after as many steps: a study continued to more steps is evaluated anew)."""
     wanted = spec.study is not None and spec.study.final_eval_prompts > 0
-    return wanted and (report.get("final_eval") or {}).get("prompts") != spec.study.final_eval_prompts
+    done = report.get("final_eval") or {}
+    return wanted and (done.get("prompts"), done.get("steps")) != (spec.study.final_eval_prompts, spec.steps)
 
 
 def _check_finished(workdir: str, steps: int) -> None:
@@ -67,7 +69,8 @@ def _check_finished(workdir: str, steps: int) -> None:
 
 
 def _load(path: str, setting: dict) -> dict:
-    """``final_eval.json`` if it was made with ``setting`` (prompts, k, seed), else a fresh record."""
+    """``final_eval.json`` if it was made with ``setting`` (prompts, k, seed, steps: arms continued to
+    more steps are evaluated anew), else a fresh record."""
     if os.path.exists(path):
         with open(path) as f:
             data = json.load(f)
@@ -80,11 +83,11 @@ def evaluate_final(spec: RunSpec, arm_workdirs: dict[str, dict[int, str]]) -> di
     """Evaluate, densely on :func:`final_eval_rows` with ``spec.eval_k`` samples per prompt, the start
     policy (:func:`start_name`) and every arm's final policy (``arm_workdirs``: arm -> seed -> the
     run's workdir, finished), skipping those already in ``<workdir>/final_eval.json``.
-    -> that file's content: ``{"prompts", "k", "seed", "runs": {name: {metric: [P] per prompt}}}``
+    -> that file's content: ``{"prompts", "k", "seed", "steps", "runs": {name: {metric: [P] per prompt}}}``
     (metrics of :func:`~sparrow_jax.rl.trainer.evaluate_per_prompt`)."""
     n, k = spec.study.final_eval_prompts, spec.eval_k
     path = os.path.join(spec.workdir, FINAL_EVAL_FILE)
-    data = _load(path, {"prompts": n, "k": k, "seed": spec.seed})
+    data = _load(path, {"prompts": n, "k": k, "seed": spec.seed, "steps": spec.steps})
     ctx = build_run_context(spec, None)
     rows = final_eval_rows(spec, ctx.task)
     key = jax.random.fold_in(jax.random.PRNGKey(spec.seed), FINAL_EVAL_KEY)

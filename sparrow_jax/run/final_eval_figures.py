@@ -31,7 +31,7 @@ def paired_figures(data: dict) -> dict:
     """The final evaluation's figures from :func:`evaluate_final`'s record (the runs evaluated so far;
     the start policy is one entry, or one per seed).
 
-    -> ``{"prompts", "k", <metric>: {"start", "start_se", "arms": {arm: {"seeds", "end", "end_se",
+    -> ``{"prompts", "k", "steps", <metric>: {"start", "start_se", "arms": {arm: {"seeds", "end", "end_se",
     "change", "change_se", "vs_dense", "vs_dense_se"}}}}`` for ``reward_mean@k`` and
     ``reward_greedy``: ``change`` is the end minus the start policy's reward on the same prompts,
     ``vs_dense`` the arm's minus the dense arm's at the same seed (absent for the dense arm or without
@@ -43,7 +43,7 @@ def paired_figures(data: dict) -> dict:
         arm, _, seed = name.rpartition("/seed_")
         if arm and arm != START:
             done.setdefault(arm, []).append(int(seed))
-    out = {"prompts": data["prompts"], "k": data["k"]}
+    out = {"prompts": data["prompts"], "k": data["k"], "steps": data.get("steps")}
     for metric in (f"reward_mean@{data['k']}", "reward_greedy"):
         values = lambda name: np.asarray(runs[name][metric], np.float64)  # noqa: E731
         starts = [values(n) for n in sorted({start_of(s) for ss in done.values() for s in ss}) if n in runs]
