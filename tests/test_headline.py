@@ -260,7 +260,7 @@ def test_two_seed_study_resumes_seed_by_seed_and_calibrates_the_low_arm(tmp_path
     runs = {name: {"reward_mean@4": [0.5, 0.7], "reward_greedy": [1.0, 1.0]}
             for name in ("start", "dense/seed_0", "dense/seed_1", "random_reward/seed_0", "random_reward/seed_1")}
     monkeypatch.setattr(study, "evaluate_final", lambda s, workdirs: evaluated.append(workdirs) or
-                        {"prompts": 2, "k": 4, "seed": 0, "runs": runs})
+                        {"prompts": 2, "k": 4, "seed": 0, "steps": s.steps, "runs": runs})
     cfg.study.final_eval_prompts = 2
     with_eval = parse_spec(cfg)
     for _ in range(2):  # the second call finds the evaluation in the report
