@@ -566,7 +566,7 @@ def rl_step(loop: Loop, state: LoopState) -> tuple[LoopState, dict]:
     return state, {**step_metrics, **metrics, **switch_metrics, **control_metrics}
 
 
-# Where an RL step's time goes, in four phases (the issue tracker's and dashboards' coarse split) over
+# Where an RL step's time goes, in four coarse phases (for dashboards and reports) summed over
 # the verl-named parts logged beside them; a phase is logged when any of its parts was timed.
 PHASES = (("timing_s/rollout", ("timing_s/gen",)),
           ("timing_s/score", ("timing_s/old_log_prob", "timing_s/ref", "timing_s/scoring", "timing_s/probe",
