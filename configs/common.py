@@ -170,7 +170,8 @@ def calibration_config() -> ConfigDict:
 def train_config() -> ConfigDict:
     return ConfigDict(dict(
         learning_rate=1e-4,  # Adam learning rate of the policy
-        # linear warm-up of that rate from 0 over this many steps (verl's lr_warmup_steps; 0: none):
+        # linear warm-up of that rate over this many steps, the k-th update at rate * k / N (verl's
+        # lr_warmup_steps; 0: none):
         # Adam's first steps move every weight by the full rate, whatever the gradient's noise
         lr_warmup_steps=0,
         max_grad_norm=1.0,  # global-norm clipping (0 disables)

@@ -148,7 +148,7 @@ class TrainSpec:
     max_nonfinite_steps: int
     remat: bool
     random_reward: bool  # the control arm: learn from coin flips with the batch's mean reward
-    lr_warmup_steps: int = 0  # steps of linear learning-rate warm-up from 0 (0: constant from the first step)
+    lr_warmup_steps: int = 0  # N: the k-th update runs at learning_rate * min(1, k / N) (0: constant from the first)
 
 
 @_spec
