@@ -200,6 +200,10 @@ def train_config() -> ConfigDict:
         # tokens after a completion's reward horizon (its first wrong line, on tasks whose reward
         # ignores what follows: recurrence_trace) leave the policy loss, not the statistics
         reward_horizon_mask=False,
+        # with reward_horizon_mask: the update runs in this many row groups sorted by where their loss
+        # ends, each cut at its longest loss row (the same gradient, less forward and backward past the
+        # horizon; rollout_corr/ metrics then cover the computed positions without a sparse schedule; 0: off)
+        horizon_groups=0,
         dynamic_sampling=False,  # DAPO: drop groups with equal rewards, sample more until the batch is full
         dynamic_sampling_rounds=3,  # extra sampling rounds per step; a batch still short keeps equal-reward groups
         max_nonfinite_steps=3,  # stop after this many steps in a row with a skipped non-finite update (0: never)

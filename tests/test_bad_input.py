@@ -40,6 +40,14 @@ def _cfg(**fields):
     (dict(train__clip_low=1.0), r"^--config\.train\.clip_low=1\.0: must be < 1"),
     (dict(train__reward_horizon_mask=True, train__dynamic_sampling=True),
      r"^--config\.train\.reward_horizon_mask=True: does not combine with train\.dynamic_sampling"),
+    (dict(train__horizon_groups=2), r"^--config\.train\.horizon_groups=2: cuts rows at their reward horizon: it needs "
+                                    r"train\.reward_horizon_mask=True"),
+    (dict(train__horizon_groups=3, train__reward_horizon_mask=True),
+     r"^--config\.train\.horizon_groups=3: times train\.micro_batches=1 must divide rollout\.prompts_per_step"),
+    (dict(train__horizon_groups=2, train__reward_horizon_mask=True, train__ppo_epochs=2),
+     r"^--config\.train\.horizon_groups=2: needs a single on-policy update"),
+    (dict(train__horizon_groups=2, train__reward_horizon_mask=True, train__tis_mask_low=0.5, train__tis_mask_high=2.0),
+     r"^--config\.train\.horizon_groups=2: does not combine with ratio masking"),
     (dict(rollout__engine="continuous", mesh__data=2), r"^--config\.rollout\.engine='continuous': runs on one device.*"
                                                        r"the mesh has 2"),
     (dict(task__dataset="rows.parquet"),

@@ -43,6 +43,7 @@ from sparrow_jax.rl.advantages import coin_flip_rewards, group_advantages
 from sparrow_jax.rl.collect import CollectOptions, collect_batch, completion_lens
 from sparrow_jax.rl.context import RunContext
 from sparrow_jax.rl.guards import assert_finite, nonfinite_streak
+from sparrow_jax.rl.horizon_groups import horizon_row_groups, timed_grouped_train_step
 from sparrow_jax.rl.long_cot import mask_truncated, response_length_metrics
 from sparrow_jax.rl.train_step import (Batch, DistillOptions, LoraState, StepOptions, TrainState,
                                        init_train_state, make_optimizer, shared_prefix_len, timed_train_step)
@@ -457,7 +458,15 @@ def update(loop: Loop, state: LoopState, batch: Batch) -> tuple[LoopState, dict]
     if kw["schedule"] is not None and getattr(batch.prompt_lens, "is_fully_addressable", True):  # every row here
         kw["shared_prefix"] = shared_prefix_len(np.asarray(batch.prompt_lens), opts=loop.opts,
                                                 distill_lora=state.lora is not None)
-    train, lora, host, timings = timed_train_step(state.train, batch, None, state.lora, loop.ref_params, **kw)
+    groups = loop.spec.train.horizon_groups
+    if groups:  # the update cut at the reward horizon (same gradient): spec validation ruled out what it cannot run
+        if not getattr(batch.loss_mask, "is_fully_addressable", True):
+            raise ValueError("train.horizon_groups needs every row of the batch in this process (its rows span "
+                             "processes here); set it to 0")
+        row_groups = horizon_row_groups(np.asarray(batch.loss_mask), groups)
+        train, lora, host, timings = timed_grouped_train_step(state.train, batch, row_groups, loop.ref_params, **kw)
+    else:
+        train, lora, host, timings = timed_train_step(state.train, batch, None, state.lora, loop.ref_params, **kw)
     metrics = {k: float(v) if np.ndim(v) == 0 else v for k, v in host.items()  # arrays: histograms
                if np.ndim(v) or np.isfinite(v) or "/bin_" not in k}  # empty bins: omit
     if loop.ref_params is None:

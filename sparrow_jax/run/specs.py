@@ -149,6 +149,7 @@ class TrainSpec:
     remat: bool
     random_reward: bool  # the control arm: learn from coin flips with the batch's mean reward
     lr_warmup_steps: int = 0  # N: the k-th update runs at learning_rate * min(1, k / N) (0: constant from the first)
+    horizon_groups: int = 0  # G > 0: the update runs in G row groups, each cut at its longest loss row (0: whole rows)
 
 
 @_spec
@@ -326,7 +327,7 @@ POSITIVE = ("steps", "checkpoint_every", "keep_checkpoints", "eval_k", "rollout.
 NON_NEGATIVE = ("eval_every", "task.preamble_tokens", "task.min_lines", "task.far_every", "task.gap_tokens", "rollout.temperature", "rollout.top_k", "schedule.topk",
                 "schedule.reserved_first", "schedule.reserved_last", "train.learning_rate", "train.max_grad_norm",
                 "train.clip_low", "train.clip_high", "train.dual_clip", "train.tis_cap", "train.kl_coef",
-                "train.entropy_coef", "train.lr_warmup_steps", "train.tis_mask_low", "train.tis_mask_high", "train.overlong_buffer",
+                "train.entropy_coef", "train.lr_warmup_steps", "train.horizon_groups", "train.tis_mask_low", "train.tis_mask_high", "train.overlong_buffer",
                 "train.overlong_penalty", "train.dynamic_sampling_rounds", "train.max_nonfinite_steps",
                 "distill.learning_rate", "distill.kl_coef", "distill.tis_cap", "distill.switch_topk",
                 "distill.switch_every", "calibration.min_count", "calibration.revalidate_rounds",
@@ -380,6 +381,18 @@ def validate(spec: RunSpec) -> None:
     _require((r.prompts_per_step * r.group_size) % (tr.mini_batches * tr.micro_batches) == 0, "train.mini_batches",
              tr.mini_batches, f"times train.micro_batches={tr.micro_batches} must divide rollout.prompts_per_step * "
              "rollout.group_size")
+    _require(not tr.horizon_groups or (r.prompts_per_step * r.group_size) % (tr.horizon_groups * tr.micro_batches) == 0,
+             "train.horizon_groups", tr.horizon_groups, f"times train.micro_batches={tr.micro_batches} must divide "
+             "rollout.prompts_per_step * rollout.group_size")
+    _require(not tr.horizon_groups or tr.reward_horizon_mask, "train.horizon_groups", tr.horizon_groups,
+             "cuts rows at their reward horizon: it needs train.reward_horizon_mask=True")
+    _require(not tr.horizon_groups or (tr.ppo_epochs, tr.mini_batches) == (1, 1), "train.horizon_groups",
+             tr.horizon_groups, "needs a single on-policy update (train.ppo_epochs = train.mini_batches = 1)")
+    _require(not tr.horizon_groups or tr.tis_mask_high == 0, "train.horizon_groups", tr.horizon_groups,
+             "does not combine with ratio masking (train.tis_mask_high > 0): the groups' shares of the loss "
+             "are fixed before their forwards")
+    _require(not tr.horizon_groups or not spec.distill.enabled, "train.horizon_groups", tr.horizon_groups,
+             "does not combine with distill.enabled (DistillSparse's LoRA trains on whole rows)")
     _require((tr.tis_mask_low, tr.tis_mask_high) == (0, 0) or tr.tis_mask_low < tr.tis_mask_high, "train.tis_mask_low",
              tr.tis_mask_low, f"must be < train.tis_mask_high={tr.tis_mask_high} (both 0: no ratio masking)")
     _require(tr.overlong_buffer < r.max_new_tokens, "train.overlong_buffer", tr.overlong_buffer,
