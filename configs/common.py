@@ -175,6 +175,9 @@ def train_config() -> ConfigDict:
         # Adam's first steps move every weight by the full rate, whatever the gradient's noise
         lr_warmup_steps=0,
         max_grad_norm=1.0,  # global-norm clipping (0 disables)
+        # a regex over dotted parameter names (layers.0.self_attn.q_proj.kernel, embed_tokens, norm.weight):
+        # the parameters it matches get no update ("": every parameter trains)
+        frozen_params="",
         adv_mode="grpo",  # grpo (std-normalised) | drgrpo
         clip_low=0.2,  # PPO epsilon below 1
         clip_high=0.28,  # PPO epsilon above 1 (clip-higher)

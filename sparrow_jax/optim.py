@@ -1,10 +1,40 @@
-"""The optimiser chain the RL step and the warm-up SFT share: global-norm clipping, then Adam(W).
+"""The optimiser chain the RL step and the warm-up SFT share: global-norm clipping, then Adam(W);
+and the transform that freezes parameters by name.
 
-A utility leaf: imports optax only, so every layer may import it.
+A utility leaf: imports jax and optax only, so every layer may import it.
 """
 from __future__ import annotations
 
+import re
+
+import jax
+import jax.numpy as jnp
 import optax
+
+
+def param_name(path) -> str:
+    """A pytree key path as a dotted name: ``layers.0.self_attn.q_proj.kernel``."""
+    parts = []
+    for key in path:
+        for attr in ("key", "idx", "name"):
+            if hasattr(key, attr):
+                parts.append(str(getattr(key, attr)))
+                break
+    return ".".join(parts)
+
+
+def zero_matching(pattern: str) -> optax.GradientTransformation:
+    """Zero the gradient of every parameter whose dotted name (:func:`param_name`) ``re.search``-matches
+    ``pattern``: placed before Adam, those parameters never move (Adam's moments of them stay 0, and
+    0 / (sqrt(0) + eps) = 0) and global-norm clipping sees only the others."""
+    regex = re.compile(pattern)
+
+    def update(updates, state, params=None):
+        del params
+        return jax.tree_util.tree_map_with_path(
+            lambda path, g: jnp.zeros_like(g) if regex.search(param_name(path)) else g, updates), state
+
+    return optax.GradientTransformation(lambda params: optax.EmptyState(), update)
 
 
 def clipped_adam(learning_rate: optax.ScalarOrSchedule, max_grad_norm: float, weight_decay: float | None = None,

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from configs.grpo_tiny import get_config
+from sparrow_jax.models import init_params, tiny_config
 from sparrow_jax.run.specs import ConfigError, parse_spec
 from tests.test_io import read_tb_scalars
 
@@ -48,6 +49,7 @@ def _cfg(**fields):
      r"^--config\.train\.horizon_groups=2: needs a single on-policy update"),
     (dict(train__horizon_groups=2, train__reward_horizon_mask=True, train__tis_mask_low=0.5, train__tis_mask_high=2.0),
      r"^--config\.train\.horizon_groups=2: does not combine with ratio masking"),
+    (dict(train__frozen_params="self_attn("), r"^--config\.train\.frozen_params='self_attn\(': is not a regular expression"),
     (dict(rollout__engine="continuous", mesh__data=2), r"^--config\.rollout\.engine='continuous': runs on one device.*"
                                                        r"the mesh has 2"),
     (dict(task__dataset="rows.parquet"),
@@ -74,6 +76,20 @@ def test_inert_or_broken_fields_are_refused_naming_the_field(fields, match):
     with pytest.raises(ConfigError, match=match) as err:
         parse_spec(_cfg(**fields))
     assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("pattern,what", [("attn_out", "no"), (".", "every")])
+def test_frozen_params_must_match_some_but_not_every_parameter(pattern, what):
+    from types import SimpleNamespace
+
+    from sparrow_jax.data.registry import get_task
+    from sparrow_jax.rl.trainer import make_loop
+
+    spec = parse_spec(_cfg(train__frozen_params=pattern))
+    ctx = SimpleNamespace(schedule=None, task=get_task(spec.task.name), params=init_params(tiny_config(), seed=0))
+    with pytest.raises(ValueError, match=rf"train.frozen_params='{pattern}' matches {what} parameter of the model "
+                                         r"\(names like 'layers.0.input_layernorm.weight'"):
+        make_loop(spec, ctx)
 
 
 def test_a_reward_horizon_mask_needs_a_task_that_defines_one():

@@ -53,3 +53,24 @@ def test_rl_optimizer_warmup_scales_each_update_by_its_step():
         uw, sw = warm.update(g, sw, params)
         uc, sc = const.update(g, sc, params)
         np.testing.assert_allclose(uw["w"], uc["w"] * min(1.0, k / 4), rtol=1e-6, atol=1e-12)
+
+
+def test_frozen_parameters_never_move_and_the_others_take_adam_on_their_own_clipped_norm():
+    """``frozen`` matches dotted names (``layers.0.self_attn.q_proj.kernel``): those get zero updates;
+    the others get what clipped Adam gives the tree without them (the clip sees only their norm)."""
+    from sparrow_jax.optim import param_name
+
+    params = {"layers": [{"self_attn": {"q_proj": {"kernel": jnp.ones((2, 2))}}, "mlp": {"kernel": jnp.ones((3,))}}],
+              "norm": {"weight": jnp.ones((2,))}}
+    names = [param_name(path) for path, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
+    assert names == ["layers.0.mlp.kernel", "layers.0.self_attn.q_proj.kernel", "norm.weight"]
+    grads = jax.tree.map(lambda p: jnp.arange(p.size, dtype=jnp.float32).reshape(p.shape) + 2.0, params)
+    frozen = rl_optimizer(1e-2, 1.0, frozen=r"self_attn|^norm\.")
+    updates, _ = frozen.update(grads, frozen.init(params), params)
+    assert not np.asarray(updates["layers"][0]["self_attn"]["q_proj"]["kernel"]).any()
+    assert not np.asarray(updates["norm"]["weight"]).any()
+    plain = rl_optimizer(1e-2, 1.0)
+    mlp_only = {"mlp": grads["layers"][0]["mlp"]}
+    want, _ = plain.update(mlp_only, plain.init({"mlp": params["layers"][0]["mlp"]}))
+    np.testing.assert_allclose(updates["layers"][0]["mlp"]["kernel"], want["mlp"]["kernel"], rtol=1e-6)
+    assert np.asarray(updates["layers"][0]["mlp"]["kernel"]).all()

@@ -19,6 +19,7 @@ import dataclasses
 import functools
 import math
 import os
+import re
 import time
 from typing import TYPE_CHECKING, Any, NamedTuple, Optional
 
@@ -36,6 +37,7 @@ from sparrow_jax.mismatch.calibrate import kept_page_share, sparse_token_fractio
 from sparrow_jax.mismatch.probe import (candidate_tail, grouped_p5_lower_bound, probe_cost_vs_dense,
                                         probe_metrics)
 from sparrow_jax.models.lora import LoraConfig, init_lora, with_lora
+from sparrow_jax.optim import param_name
 from sparrow_jax.parallel import (host_array, is_primary, make_mesh, mesh_context, shard_batch, shard_params,
                                   shard_train_state)
 from sparrow_jax.parallel.process_rows import gather_rows, process_rows, rows_to_global
@@ -269,6 +271,12 @@ def make_loop(spec: RunSpec, ctx: RunContext) -> Loop:
     if tr.reward_horizon_mask and ctx.task.reward_horizon is None:
         raise ValueError(f"train.reward_horizon_mask=True: task {ctx.task.name!r} defines no reward horizon "
                          "(tasks that do: recurrence_trace)")
+    if tr.frozen_params:
+        names = [param_name(path) for path, _ in jax.tree_util.tree_flatten_with_path(ctx.params)[0]]
+        frozen = [n for n in names if re.search(tr.frozen_params, n)]
+        if not frozen or len(frozen) == len(names):
+            raise ValueError(f"train.frozen_params={tr.frozen_params!r} matches {'no' if not frozen else 'every'} "
+                             f"parameter of the model (names like {names[1]!r}, {names[-1]!r})")
     max_len = max(len(ctx.encode(e)) for e in ctx.train_rows[:64]) + spec.rollout.max_new_tokens
     opts = step_options(tr, spec.rollout.temperature, bin_width, max_len)
     mesh = make_mesh(spec.mesh)
@@ -279,17 +287,19 @@ def make_loop(spec: RunSpec, ctx: RunContext) -> Loop:
     lora = (lora_config(d), _optimizer(d.learning_rate, max_grad_norm=0.0), distill) if d.enabled else (None,) * 3
     controller = (online_settings(spec.schedule, ctx.schedule, max_len, spec.calibration.tau)
                   if spec.schedule.kind == "online" else None)
-    return Loop(spec, ctx, mesh, _optimizer(tr.learning_rate, tr.max_grad_norm, tr.lr_warmup_steps), opts, *lora,
+    return Loop(spec, ctx, mesh, _optimizer(tr.learning_rate, tr.max_grad_norm, tr.lr_warmup_steps, tr.frozen_params),
+                opts, *lora,
                 pool=reward_pool(ctx, spec.task.reward_workers, spec.task.reward_timeout_s), controller=controller,
                 ref_params=ref)
 
 
 @functools.lru_cache(maxsize=None)
-def _optimizer(learning_rate: float, max_grad_norm: float, warmup_steps: int = 0) -> optax.GradientTransformation:
+def _optimizer(learning_rate: float, max_grad_norm: float, warmup_steps: int = 0,
+               frozen: str = "") -> optax.GradientTransformation:
     """``make_optimizer``, one object per setting: the jitted steps take the optimiser as a static
     argument, so a loop built again in the same process (a resumed run, a study's next arm or seed)
     reuses their compiled programs instead of compiling them anew."""
-    return make_optimizer(learning_rate, max_grad_norm, warmup_steps)
+    return make_optimizer(learning_rate, max_grad_norm, warmup_steps, frozen)
 
 
 def online_settings(s: ScheduleSpec, layout: SparsitySchedule, max_len: int, tau: float) -> ControllerSettings:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import typing
 from typing import Any, Optional
 
@@ -149,6 +150,7 @@ class TrainSpec:
     remat: bool
     random_reward: bool  # the control arm: learn from coin flips with the batch's mean reward
     lr_warmup_steps: int = 0  # N: the k-th update runs at learning_rate * min(1, k / N) (0: constant from the first)
+    frozen_params: str = ""  # regex over dotted parameter names (layers.0.self_attn.q_proj.kernel): no updates ("": none)
     horizon_groups: int = 0  # G > 0: the update runs in G row groups, each cut at its longest loss row (0: whole rows)
 
 
@@ -384,6 +386,7 @@ def validate(spec: RunSpec) -> None:
     _require(not tr.horizon_groups or (r.prompts_per_step * r.group_size) % (tr.horizon_groups * tr.micro_batches) == 0,
              "train.horizon_groups", tr.horizon_groups, f"times train.micro_batches={tr.micro_batches} must divide "
              "rollout.prompts_per_step * rollout.group_size")
+    _require(_is_regex(tr.frozen_params), "train.frozen_params", tr.frozen_params, "is not a regular expression")
     _require(not tr.horizon_groups or tr.reward_horizon_mask, "train.horizon_groups", tr.horizon_groups,
              "cuts rows at their reward horizon: it needs train.reward_horizon_mask=True")
     _require(not tr.horizon_groups or (tr.ppo_epochs, tr.mini_batches) == (1, 1), "train.horizon_groups",
@@ -451,6 +454,14 @@ def _validate_online(spec: RunSpec) -> None:
 
 # the schedule fields a paper preset fixes (its table was measured with them)
 PRESET_LAYOUT = ("page_size", "bin_width", "reserved_first", "reserved_last", "dense_layers", "selector")
+
+
+def _is_regex(pattern: str) -> bool:
+    try:
+        re.compile(pattern)
+    except re.error:
+        return False
+    return True
 
 
 def _num_layers(m: ModelSpec) -> Optional[int]:
