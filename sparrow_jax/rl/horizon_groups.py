@@ -19,7 +19,6 @@ metrics over every completion token as before.
 from __future__ import annotations
 
 import functools
-import time
 from typing import NamedTuple
 
 import jax
@@ -28,9 +27,9 @@ import numpy as np
 import optax
 
 from sparrow_jax.models.config import Qwen3Config
-from sparrow_jax.rl.train_step import (TIMING_PARTS, Batch, DistillOptions, StepOptions, TrainState, _accumulated_grads,
+from sparrow_jax.rl.train_step import (Batch, DistillOptions, StepOptions, TrainState, _accumulated_grads,
                                        _apply_update_jit, _check_step, _merge_rows, _micro_batch_weights,
-                                       _old_policy_jit, _on_policy_loss, _OnPolicyRows, _ref_logprobs_jit,
+                                       _old_policy_jit, _on_policy_loss, _OnPolicyRows, _ref_logprobs_jit, PhaseTimer,
                                        _sparse_actor_jit, _split_rows, _step_metrics_jit, _tis, on_policy,
                                        policy_loss_mask)
 
@@ -108,13 +107,7 @@ def timed_grouped_train_step(state: TrainState, batch: Batch, groups: list[RowGr
     if sum(len(g.rows) for g in groups) != b or any(len(g.rows) % opts.micro_batches for g in groups):
         raise ValueError(f"timed_grouped_train_step: the groups must cover the batch's {b} rows, each a multiple of "
                          f"micro_batches={opts.micro_batches} rows; got sizes {[len(g.rows) for g in groups]}")
-    timings = dict.fromkeys(TIMING_PARTS, 0.0)
-
-    def timed(part, fn, *args, **kw):
-        t0 = time.perf_counter()
-        result = jax.block_until_ready(fn(*args, **kw))
-        timings[part] += time.perf_counter() - t0
-        return result
+    timed = PhaseTimer()
 
     alpha = kl = out = None
     sparse_metrics = {}
@@ -158,5 +151,5 @@ def timed_grouped_train_step(state: TrainState, batch: Batch, groups: list[RowGr
 
     host = timed("statistics", fetch)
     host["actor/update_position_share"] = float(covered.mean())
-    return TrainState(state.step + 1, params, opt_state), None, host, timings
+    return TrainState(state.step + 1, params, opt_state), None, host, timed.seconds
 

@@ -588,6 +588,20 @@ def _step_metrics_jit(out, update_metrics, finite, sparse_metrics, alpha, kl, ma
     return _step_metrics(out, stack(update_metrics), jnp.stack(finite), sparse_metrics, alpha, kl, mask, opts)
 
 
+class PhaseTimer:
+    """Runs a step's phases as separate programs, each waited for; ``seconds`` sums them per part of
+    :data:`TIMING_PARTS`."""
+
+    def __init__(self):
+        self.seconds = dict.fromkeys(TIMING_PARTS, 0.0)
+
+    def __call__(self, part: str, fn, *args, **kw):
+        t0 = time.perf_counter()
+        result = jax.block_until_ready(fn(*args, **kw))
+        self.seconds[part] += time.perf_counter() - t0
+        return result
+
+
 def timed_train_step(state: TrainState, batch: Batch, sparse_params=None, lora_state: Optional[LoraState] = None,
                      ref_params=None, *, config: Qwen3Config, optimizer: optax.GradientTransformation,
                      schedule=None, opts: StepOptions = StepOptions(), lora_cfg: Optional[LoraConfig] = None,
@@ -605,13 +619,7 @@ def timed_train_step(state: TrainState, batch: Batch, sparse_params=None, lora_s
     :func:`train_step`; separate programs may round differently (float32 last bits).
     ``state`` and ``lora_state`` are consumed (donated) as by :func:`train_step`.
     """
-    timings = dict.fromkeys(TIMING_PARTS, 0.0)
-
-    def timed(part, fn, *args, **kw):
-        t0 = time.perf_counter()
-        result = jax.block_until_ready(fn(*args, **kw))
-        timings[part] += time.perf_counter() - t0
-        return result
+    timed = PhaseTimer()
 
     chunks = _check_step(batch, ref_params, opts, sparse_params, lora_state, shared_prefix)
     keep_hidden = schedule is not None
@@ -654,7 +662,7 @@ def timed_train_step(state: TrainState, batch: Batch, sparse_params=None, lora_s
         return jax.device_get(m)
 
     host = timed("statistics", fetch)
-    return TrainState(state.step + 1, params, opt_state), new_lora_state, host, timings
+    return TrainState(state.step + 1, params, opt_state), new_lora_state, host, timed.seconds
 
 
 def _mismatch_metrics(alpha: jax.Array, kl: jax.Array, mask: jax.Array, opts: StepOptions) -> dict:
