@@ -32,4 +32,4 @@ def test_bench_times_both_sides_and_prints_the_json_line(tmp_path, capsys):
 
 def test_bench_refuses_a_config_without_the_reward_horizon(tmp_path):
     with pytest.raises(ValueError, match="reward_horizon_mask is off"):
-        main(_spec(tmp_path, reward_horizon_mask=False), groups=[2], batches=1, repeats=1)
+        main(_spec(tmp_path, reward_horizon_mask=False, horizon_groups=0), groups=[2], batches=1, repeats=1)
