@@ -26,12 +26,14 @@ tried learned, docs/results.md) and anchored to the warm-up by verl's low-varian
 (``train.kl_coef``: without it the random-reward control's updates walk the policy off its sharp
 optimum); the dense policy validated densely every 25 steps on 32 held-out prompts x 4 samples;
 after training, every arm's final dense policy on 128 held-out prompts, paired
-(``study.final_eval_prompts``). Measured with the anchor (docs/results.md, dense and random-reward
-arms only, 2 x 9 min an arm): dense rollouts raise the dense held-out reward by 0.031 +- 0.007 in
-100 steps, the random-reward control changes it by -0.007 +- 0.010. The sparse arms ran before the
-anchor (kl_coef 0, ~3 h in all): the tau = 0.86 schedule learned half the dense arm's gain (0.018
-below it, 2 SE), its samples scoring less than half the dense ones; tau = 0.92 no better; tau =
-0.75 collapsed (0.27 -> 0.06).
+(``study.final_eval_prompts``); the update in 4 row groups cut at the reward horizon
+(``train.horizon_groups``: the same gradient, 1.84x faster). Measured at commit 0ba490a
+(docs/results.md; 2 seeds, 75 min for the four arms dense, calibrated, random_reward and
+calibrated_low with other jobs beside them): dense rollouts raise the dense held-out reward by
+0.031 +- 0.007, the random-reward control changes it by -0.007 +- 0.010; tau = 0.86 ends 0.008 +-
+0.007 below the dense arm (pooled p5 0.82 in its last bin, rollouts 1.24x, half the pages kept),
+tau = 0.75 0.020 +- 0.006 below (it collapsed without the anchor). tau = 0.92 and the online arm
+last ran without the anchor (commit 4b9d012).
 
 The warm-up below ships (sparrow_jax/sft/checkpoints/headline; ``--noshipped`` retrains it, ~40
 min on 2 cores): a 2200-step dense curriculum, then a 300-step refine on the task's rows whose loss
