@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from sparrow_jax.run.headline import SeedRun, arm_summary, combine_seeds, curve_area, held_out, relative_step_time
-from sparrow_jax.run.specs import ConfigError, parse_spec
+from sparrow_jax.run.specs import ConfigError, parse_spec, validate
 from sparrow_jax.run.study import _arm_spec, arm_row
 
 
@@ -40,6 +40,16 @@ def test_new_arms_and_one_directory_per_seed():
     for seeds, expect in (((), spec.seed), ((3,), 3)):
         one = _arm_spec(parse_spec(_config(seeds=seeds)), "random_reward")
         assert (one.workdir, one.seed) == (f"{spec.workdir}/random_reward", expect)
+
+
+def test_the_distill_arm_updates_whole_rows_and_passes_validation():
+    # the config's horizon groups do not combine with DistillSparse: its arm alone updates whole rows
+    spec = parse_spec(_config(arms=("dense", "online_distill")))
+    assert spec.train.horizon_groups == 4
+    arm = _arm_spec(spec, "online_distill", 0)
+    assert arm.distill.enabled and arm.train.horizon_groups == 0
+    assert _arm_spec(spec, "dense", 0).train.horizon_groups == 4
+    validate(arm)  # the arm's own spec: what the distill arm would have refused
 
 
 @pytest.mark.parametrize("field, value, arms", [
