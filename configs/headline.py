@@ -32,8 +32,10 @@ after training, every arm's final dense policy on 128 held-out prompts, paired
 calibrated_low with other jobs beside them): dense rollouts raise the dense held-out reward by
 0.031 +- 0.007, the random-reward control changes it by -0.007 +- 0.010; tau = 0.86 ends 0.008 +-
 0.007 below the dense arm (pooled p5 0.82 in its last bin, rollouts 1.24x, half the pages kept),
-tau = 0.75 0.020 +- 0.006 below (it collapsed without the anchor). tau = 0.92 and the online arm
-last ran without the anchor (commit 4b9d012). With the table's pages always kept
+tau = 0.75 0.020 +- 0.006 below (it collapsed without the anchor); tau = 0.92 (added at 2d3990b)
+0.011 +- 0.010 below, the online arm 0.018 +- 0.008 below at 74% of the pages (it holds every
+step's p5; with ``online_distill`` added to the arms, DistillSparse's LoRA, 0.011 +- 0.006 below
+at 76%). With the table's pages always kept
 (``--config.schedule.reserved_first=6``, calibrated so) tau = 0.86 ends 0.006 +- 0.005 below the
 dense arm with p5 >= 0.859 in every bin, at 71% of the pages and 1.12x rollouts.
 
