@@ -207,6 +207,10 @@ def train_config() -> ConfigDict:
         # ends, each cut at its longest loss row (the same gradient, less forward and backward past the
         # horizon; rollout_corr/ metrics then cover the computed positions without a sparse schedule; 0: off)
         horizon_groups=0,
+        # N: the sparse actor's exact acceptance statistics (its teacher-forced pass: mismatch/* and
+        # alpha_hist) on every N-th step only, the others skip that pass; TIS reads the sampler's
+        # log-probs on every step. 1 with an online schedule or DistillSparse (they read every step)
+        mismatch_every=1,
         dynamic_sampling=False,  # DAPO: drop groups with equal rewards, sample more until the batch is full
         dynamic_sampling_rounds=3,  # extra sampling rounds per step; a batch still short keeps equal-reward groups
         max_nonfinite_steps=3,  # stop after this many steps in a row with a skipped non-finite update (0: never)

@@ -49,6 +49,11 @@ def _cfg(**fields):
      r"^--config\.train\.horizon_groups=2: needs a single on-policy update"),
     (dict(train__horizon_groups=2, train__reward_horizon_mask=True, train__tis_mask_low=0.5, train__tis_mask_high=2.0),
      r"^--config\.train\.horizon_groups=2: does not combine with ratio masking"),
+    (dict(train__mismatch_every=0), r"^--config\.train\.mismatch_every=0: must be > 0"),
+    (dict(train__mismatch_every=4, schedule__kind="online"),
+     r"^--config\.train\.mismatch_every=4: must be 1 with schedule\.kind='online' \(the controller reads"),
+    (dict(train__mismatch_every=2, distill__enabled=True),
+     r"^--config\.train\.mismatch_every=2: must be 1 with distill\.enabled"),
     (dict(train__frozen_params="self_attn("), r"^--config\.train\.frozen_params='self_attn\(': is not a regular expression"),
     (dict(rollout__engine="continuous", mesh__data=2), r"^--config\.rollout\.engine='continuous': runs on one device.*"
                                                        r"the mesh has 2"),

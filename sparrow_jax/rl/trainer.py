@@ -460,9 +460,12 @@ def collect(loop: Loop, state: LoopState, key) -> tuple[Batch, dict, jax.Array]:
 def update(loop: Loop, state: LoopState, batch: Batch) -> tuple[LoopState, dict]:
     """One train step (policy, and the LoRA with DistillSparse), its phases timed as verl's
     ``timing_s/*``: ``timing_s/update_actor`` is the sum of ``timing_s/<part>`` over
-    :data:`TIMING_PARTS` (``ref`` only with a KL reference)."""
-    kw = dict(config=loop.ctx.model_config, optimizer=loop.optimizer, schedule=current_schedule(loop, state),
-              opts=loop.opts)
+    :data:`TIMING_PARTS` (``ref`` only with a KL reference). A step that ``train.mismatch_every``
+    skips runs without the schedule: no sparse teacher-forced pass and no ``mismatch/*`` metrics
+    (the update reads only the sampler's log-probs of the sparse rollouts, as on every step)."""
+    scored = state.step % loop.spec.train.mismatch_every == 0
+    kw = dict(config=loop.ctx.model_config, optimizer=loop.optimizer,
+              schedule=current_schedule(loop, state) if scored else None, opts=loop.opts)
     if state.lora is not None:
         kw.update(lora_cfg=loop.lora_cfg, lora_optimizer=loop.lora_optimizer, distill=loop.distill)
     if kw["schedule"] is not None and getattr(batch.prompt_lens, "is_fully_addressable", True):  # every row here

@@ -152,6 +152,7 @@ class TrainSpec:
     lr_warmup_steps: int = 0  # N: the k-th update runs at learning_rate * min(1, k / N) (0: constant from the first)
     frozen_params: str = ""  # regex over dotted parameter names (layers.0.self_attn.q_proj.kernel): no updates ("": none)
     horizon_groups: int = 0  # G > 0: the update runs in G row groups, each cut at its longest loss row (0: whole rows)
+    mismatch_every: int = 1  # N: the sparse actor's exact acceptance statistics on every N-th step (TIS every step)
 
 
 @_spec
@@ -321,7 +322,7 @@ TASK_ONLY_KNOBS = {"preamble_tokens": ("pointer_trace", "has a preamble"), "min_
                    "key_letters": ("recurrence_trace", "reads it")}
 POSITIVE = ("steps", "checkpoint_every", "keep_checkpoints", "eval_k", "rollout.prompts_per_step",
             "rollout.group_size", "rollout.max_new_tokens", "schedule.page_size", "schedule.bin_width",
-            "train.micro_batches", "train.ppo_epochs", "train.mini_batches", "task.reward_workers",
+            "train.micro_batches", "train.mismatch_every", "train.ppo_epochs", "train.mini_batches", "task.reward_workers",
             "task.reward_timeout_s", "task.num_eval", "mesh.data", "mesh.fsdp", "mesh.tensor",
             "distill.eval_samples", "distill.updates_per_step", "distill.rank", "calibration.num_prompts",
             "calibration.samples_per_prompt", "calibration.validate_prompts", "schedule.online.up_levels",
@@ -396,6 +397,10 @@ def validate(spec: RunSpec) -> None:
              "are fixed before their forwards")
     _require(not tr.horizon_groups or not spec.distill.enabled, "train.horizon_groups", tr.horizon_groups,
              "does not combine with distill.enabled (DistillSparse's LoRA trains on whole rows)")
+    _require(tr.mismatch_every == 1 or s.kind != "online", "train.mismatch_every", tr.mismatch_every,
+             "must be 1 with schedule.kind='online' (the controller reads every step's p5)")
+    _require(tr.mismatch_every == 1 or not spec.distill.enabled, "train.mismatch_every", tr.mismatch_every,
+             "must be 1 with distill.enabled (DistillSparse's LoRA trains from the sparse pass every step)")
     _require((tr.tis_mask_low, tr.tis_mask_high) == (0, 0) or tr.tis_mask_low < tr.tis_mask_high, "train.tis_mask_low",
              tr.tis_mask_low, f"must be < train.tis_mask_high={tr.tis_mask_high} (both 0: no ratio masking)")
     _require(tr.overlong_buffer < r.max_new_tokens, "train.overlong_buffer", tr.overlong_buffer,
