@@ -210,7 +210,8 @@ def train_config() -> ConfigDict:
         # N: the sparse actor's exact acceptance statistics (its teacher-forced pass: mismatch/* and
         # alpha_hist) on every N-th step only, the others skip that pass; TIS reads the sampler's
         # log-probs on every step (with horizon_groups, a skipped step's rollout_corr/ metrics cover the
-        # computed positions). 1 with an online schedule or DistillSparse (they read every step)
+        # computed positions). 1 with an online schedule or DistillSparse (they read every step; a study's online
+        # arms run at 1 whatever it says)
         mismatch_every=1,
         dynamic_sampling=False,  # DAPO: drop groups with equal rewards, sample more until the batch is full
         dynamic_sampling_rounds=3,  # extra sampling rounds per step; a batch still short keeps equal-reward groups

@@ -52,6 +52,18 @@ def test_the_distill_arm_updates_whole_rows_and_passes_validation():
     validate(arm)  # the arm's own spec: what the distill arm would have refused
 
 
+def test_online_arms_score_every_step_whatever_the_study_sets():
+    # the controller reads every step's p5; the fixed-schedule arms keep the study's mismatch_every
+    cfg = _config(arms=("dense", "calibrated", "online_dense", "online_distill"))
+    cfg.train.mismatch_every = 4
+    spec = parse_spec(cfg)
+    for arm in ("online_dense", "online_distill"):
+        got = _arm_spec(spec, arm, 0)
+        assert got.train.mismatch_every == 1
+        validate(got)
+    assert _arm_spec(spec, "calibrated", 0).train.mismatch_every == 4
+
+
 @pytest.mark.parametrize("field, value, arms", [
     ("seeds", (0, 0), None), ("seeds", (-1,), None), ("seeds", ("a",), None), ("seeds", (True,), None),
     ("low_tau", 0.9, None), ("low_tau", 0.0, None), ("low_tau", 0.86, None),

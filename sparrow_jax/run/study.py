@@ -62,7 +62,8 @@ def _tau_calibration_spec(spec: RunSpec, arm: str) -> RunSpec:
 
 def _arm_spec(spec: RunSpec, arm: str, seed: Optional[int] = None) -> RunSpec:
     """The run of one study arm at ``seed`` (default: the first of :func:`study_seeds`): its schedule
-    (and DistillSparse on whole-row updates for ``online_distill``, coin-flip rewards for ``random_reward``, tau
+    (statistics on every step for the online arms, DistillSparse on whole-row updates for
+    ``online_distill``, coin-flip rewards for ``random_reward``, tau
     ``study.low_tau`` / ``study.high_tau`` for ``calibrated_low`` / ``calibrated_high``) in
     ``<workdir>/<arm>``, or ``<workdir>/<arm>/seed_<s>`` with several seeds."""
     s, distill, cal, train_spec = spec.schedule, spec.distill, spec.calibration, spec.train
@@ -75,6 +76,8 @@ def _arm_spec(spec: RunSpec, arm: str, seed: Optional[int] = None) -> RunSpec:
     if arm in _ONLINE_START:
         schedule = dataclasses.replace(s, kind="online", topk=spec.study.aggressive_topk,
                                        online=dataclasses.replace(s.online, start=_ONLINE_START[arm]))
+        # the controller reads every step's p5: the sparse actor's statistics on every step
+        train_spec = dataclasses.replace(train_spec, mismatch_every=1)
         if arm == "online_distill":  # DistillSparse's LoRA trains on whole rows: no horizon groups (same gradient)
             distill = dataclasses.replace(distill, enabled=True, compare_without=False)
             train_spec = dataclasses.replace(train_spec, horizon_groups=0)
