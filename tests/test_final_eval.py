@@ -91,6 +91,7 @@ def test_evaluate_final_pairs_every_policy_on_the_same_prompts_and_key_and_resum
     assert set(data["runs"]) == {"start/seed_0", "start/seed_1", "dense/seed_0", "dense/seed_1", "calibrated/seed_0",
                                  "calibrated/seed_1"}
     assert all(len(v) == 3 for r in data["runs"].values() for v in r.values())
+    assert set(data["seconds"]) == set(data["runs"]) and all(t > 0 for t in data["seconds"].values())
     assert json.loads((tmp_path / FINAL_EVAL_FILE).read_text()) == data and data["steps"] == spec.steps
     for s in (0, 1):  # the same params on the same prompts with the same key: the same rewards, prompt by prompt
         assert data["runs"][f"calibrated/seed_{s}"] == data["runs"][f"start/seed_{s}"]

@@ -4,6 +4,7 @@ two-seed study (training stubbed) that resumes seed by seed."""
 import json
 import math
 import os
+import types
 
 import numpy as np
 import pytest
@@ -234,12 +235,13 @@ def test_two_seed_study_resumes_seed_by_seed_and_calibrates_the_low_arm(tmp_path
 
     def fake_train(arm_spec, ctx):
         trained.append(arm_spec.workdir[len(str(tmp_path)) + 1:])
+        history = [{"step": s, "reward_mean": 0.1 * s + 0.01 * arm_spec.seed, "response_length/mean": 5.0,
+                    "timing_s/gen": 1.0, "timing_s/update_actor": 1.0, "rollout/generated_tokens": 10.0,
+                    "rollout/decode_s": 0.5, "rollout/sparse_token_fraction": 0.0} for s in (1, 2)]
         with MetricWriter(arm_spec.workdir, use_tensorboard=False) as w:
-            for s in (1, 2):
-                w.write(s, {"reward_mean": 0.1 * s + 0.01 * arm_spec.seed, "response_length/mean": 5.0,
-                            "timing_s/gen": 1.0, "timing_s/update_actor": 1.0, "rollout/generated_tokens": 10.0,
-                            "rollout/decode_s": 0.5, "rollout/sparse_token_fraction": 0.0})
-        return arm_spec.workdir
+            for h in history:
+                w.write(h["step"], {k: v for k, v in h.items() if k != "step"})
+        return types.SimpleNamespace(workdir=arm_spec.workdir, history=history)
 
     def fake_calibrate(arm_cal_spec):
         calibrations.append((arm_cal_spec.workdir, arm_cal_spec.calibration.tau))
@@ -248,7 +250,7 @@ def test_two_seed_study_resumes_seed_by_seed_and_calibrates_the_low_arm(tmp_path
             f.write("{}")
 
     def fake_speedup(ctx, result):
-        timed.append(result[len(str(tmp_path)) + 1:])
+        timed.append(result.workdir[len(str(tmp_path)) + 1:])
         return {"rollout_speedup": 2.0}
 
     monkeypatch.setattr(study, "train", fake_train)
@@ -271,6 +273,12 @@ def test_two_seed_study_resumes_seed_by_seed_and_calibrates_the_low_arm(tmp_path
     assert row["rollout_speedup"] == 2.0 and "rollout_speedup" not in report["arms"]["dense"]
     assert row["step_time_vs_dense"] == pytest.approx(1.0)
     assert (tmp_path / "headline.png").exists() and (tmp_path / "study.png").exists()
+    # wall time: every run trained now has its own; dense seed 0 (finished before runs recorded it) and
+    # the calibrations (stubbed: no calibration.json) are not measured, so neither is the total
+    wall = report["wall_s"]
+    assert wall["arms"]["dense"]["0"] is None and wall["total"] is None
+    assert all(wall["arms"][a][s] >= 0 for a in ("calibrated_low", "random_reward") for s in ("0", "1"))
+    assert wall["calibration"] == {"calibrated": None, "calibrated_low": None} and wall["final_eval"] is None
     trained.clear()
     study.run_study(spec)
     assert trained == [] and len(calibrations) == 1
@@ -282,7 +290,12 @@ def test_two_seed_study_resumes_seed_by_seed_and_calibrates_the_low_arm(tmp_path
     runs = {name: {"reward_mean@4": [0.5, 0.7], "reward_greedy": [1.0, 1.0]}
             for name in ("start", "dense/seed_0", "dense/seed_1", "random_reward/seed_0", "random_reward/seed_1")}
     monkeypatch.setattr(study, "evaluate_final", lambda s, workdirs: evaluated.append(workdirs) or
-                        {"prompts": 2, "k": 4, "seed": 0, "steps": s.steps, "runs": runs})
+                        {"prompts": 2, "k": 4, "seed": 0, "steps": s.steps, "runs": runs,
+                         "seconds": {name: 5.0 for name in runs}})
+    for d in (tmp_path, tmp_path / "calibrated_low"):  # the calibrations, timed now
+        (d / "calibration.json").write_text(json.dumps({"seconds": 30.0}))
+    dense_0 = tmp_path / "dense" / "seed_0" / "report.json"
+    dense_0.write_text(json.dumps({**json.loads(dense_0.read_text()), "wall_s": 60.0}))
     cfg.study.final_eval_prompts = 2
     with_eval = parse_spec(cfg)
     for _ in range(2):  # the second call finds the evaluation in the report
@@ -291,6 +304,10 @@ def test_two_seed_study_resumes_seed_by_seed_and_calibrates_the_low_arm(tmp_path
     assert evaluated[0]["random_reward"] == {s: f"{tmp_path}/random_reward/seed_{s}" for s in (0, 1)}
     fig = report["final_eval"]["reward_mean@4"]
     assert report["final_eval"]["prompts"] == 2 and fig["arms"]["random_reward"]["vs_dense"] == 0.0
+    wall = report["wall_s"]  # every part measured now: the total is their sum
+    assert wall["final_eval"] == 25.0 and wall["calibration"] == {"calibrated": 30.0, "calibrated_low": 30.0}
+    arm_s = [t for by_seed in wall["arms"].values() for t in by_seed.values()]
+    assert wall["arms"]["dense"]["0"] == 60.0 and wall["total"] == pytest.approx(85.0 + sum(arm_s), abs=0.2)
 
     # an arm added to the finished study later: calibrated at high_tau into its own directory, trained
     # beside the finished arms (which stay untouched), then evaluated

@@ -2,6 +2,8 @@
 rerun that resumes at the first unfinished arm."""
 import json
 import math
+import os
+import types
 
 import pytest
 
@@ -117,9 +119,12 @@ def test_study_rerun_resumes_at_the_first_unfinished_arm(tmp_path, monkeypatch):
 
     def fake_train(arm_spec, ctx):
         trained.append(arm_spec.workdir.rsplit("/", 1)[1])
+        resumed = os.path.exists(os.path.join(arm_spec.workdir, "metrics.jsonl"))  # as if from step 1's checkpoint
+        steps = (2,) if resumed else (1, 2)
         with MetricWriter(arm_spec.workdir, use_tensorboard=False) as w:
-            for s in (1, 2):
+            for s in steps:
                 w.write(s, {"reward_mean": 0.1 * s, "response_length/mean": 5.0})
+        return types.SimpleNamespace(history=[{"step": s} for s in steps])
 
     monkeypatch.setattr(study, "train", fake_train)
     monkeypatch.setattr(study, "build_run_context", lambda *a: Ctx())
@@ -132,7 +137,11 @@ def test_study_rerun_resumes_at_the_first_unfinished_arm(tmp_path, monkeypatch):
     assert trained == ["calibrated", "aggressive"]
     assert set(report["arms"]) == {"dense", "calibrated", "aggressive"}
     assert report["arms"]["dense"]["reward_end"] == pytest.approx(0.15)  # rebuilt from the finished arm's log
-    assert json.loads((tmp_path / "aggressive" / "report.json").read_text()) == {"steps": 2, "train_prompts": 8}
+    # a run's report records its wall time; a resumed run's covers only the process that finished it
+    fresh, resumed = (json.loads((tmp_path / a / "report.json").read_text()) for a in ("aggressive", "calibrated"))
+    assert fresh.pop("wall_s") >= 0 and fresh == {"steps": 2, "train_prompts": 8}
+    assert resumed.pop("wall_s_partial") >= 0 and "wall_s" not in resumed
+    assert report["wall_s"]["arms"]["calibrated"] == {"0": None} and report["wall_s"]["total"] is None
     trained.clear()
     study.run_study(spec)
     assert trained == []

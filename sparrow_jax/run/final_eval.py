@@ -83,7 +83,8 @@ def evaluate_final(spec: RunSpec, arm_workdirs: dict[str, dict[int, str]]) -> di
     """Evaluate, densely on :func:`final_eval_rows` with ``spec.eval_k`` samples per prompt, the start
     policy (:func:`start_name`) and every arm's final policy (``arm_workdirs``: arm -> seed -> the
     run's workdir, finished), skipping those already in ``<workdir>/final_eval.json``.
-    -> that file's content: ``{"prompts", "k", "seed", "steps", "runs": {name: {metric: [P] per prompt}}}``
+    -> that file's content: ``{"prompts", "k", "seed", "steps", "runs": {name: {metric: [P] per prompt}},
+    "seconds": {name: its evaluation's wall time}}``
     (metrics of :func:`~sparrow_jax.rl.trainer.evaluate_per_prompt`)."""
     n, k = spec.study.final_eval_prompts, spec.eval_k
     path = os.path.join(spec.workdir, FINAL_EVAL_FILE)
@@ -108,7 +109,8 @@ def evaluate_final(spec: RunSpec, arm_workdirs: dict[str, dict[int, str]]) -> di
         t0 = time.perf_counter()
         per_prompt = evaluate_per_prompt(ctx, params(), None, rows, k, key)
         data["runs"][name] = {m: v.tolist() for m, v in per_prompt.items()}
+        data.setdefault("seconds", {})[name] = round(time.perf_counter() - t0, 1)
         atomic_write_json(path, data)
         print(f"[final eval] {name}: reward_mean@{k} {np.mean(per_prompt[f'reward_mean@{k}']):.3f} on {n} prompts "
-              f"({time.perf_counter() - t0:.0f} s)", flush=True)
+              f"({data['seconds'][name]:.0f} s)", flush=True)
     return data

@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import time
 from typing import Callable, Optional
 
 import numpy as np
@@ -109,11 +110,16 @@ def run_arm(arm_spec: RunSpec, build_ctx: Callable[[], RunContext], name: str,
         print(f"[arm] {name}: finished ({arm_spec.workdir}/{REPORT_FILE})", flush=True)
         return done
     print(f"[arm] {name}", flush=True)
+    t0 = time.perf_counter()
     ctx = build_ctx()
     result = train(arm_spec, ctx)
     done = {"steps": arm_spec.steps, "train_prompts": len(ctx.train_rows)}
     if after_train is not None:
         done.update(after_train(ctx, result))
+    # the arm's wall time (model build, compiles, steps, validations, the speedup measurement); a run
+    # resumed from a checkpoint records only this process's part, under another name
+    first_step = min((h["step"] for h in result.history), default=0)
+    done["wall_s" if first_step <= 1 else "wall_s_partial"] = round(time.perf_counter() - t0, 1)
     atomic_write_json(os.path.join(arm_spec.workdir, REPORT_FILE), done)
     return done
 
@@ -226,12 +232,45 @@ def run_study(spec: RunSpec) -> dict:
     for arm, field in _OTHER_TAU.items():
         if arm in runs:
             report[field] = getattr(spec.study, field)
+    final_eval_s = None
     if spec.study.final_eval_prompts:
         workdirs = {a: {s: _arm_spec(spec, a, s).workdir for s in seeds} for a in runs}
-        report["final_eval"] = paired_figures(evaluate_final(spec, workdirs))
+        evaluated = evaluate_final(spec, workdirs)
+        report["final_eval"] = paired_figures(evaluated)
+        final_eval_s = _sum_known(evaluated.get("seconds", {}).get(name) for name in evaluated["runs"])
+    report["wall_s"] = study_wall_seconds(spec, runs, final_eval_s)
     atomic_write_json(os.path.join(spec.workdir, "report.json"), report)
     print_study(report)
     return report
+
+
+def _sum_known(values) -> Optional[float]:
+    """The sum of ``values``, None if any is None (a part not measured)."""
+    values = list(values)
+    return None if any(v is None for v in values) else round(float(sum(values)), 1)
+
+
+def _calibration_seconds(workdir: str) -> Optional[float]:
+    path = os.path.join(workdir, "calibration.json")
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        return json.load(f).get("seconds")
+
+
+def study_wall_seconds(spec: RunSpec, runs: dict[str, dict[int, SeedRun]], final_eval_s: Optional[float]) -> dict:
+    """Where a study's wall time went, in seconds: ``calibration`` (the main schedule's and each other
+    tau's, from their ``calibration.json``), ``arms`` (arm -> seed -> its run's ``wall_s``: model
+    build, compiles, steps, validations and the speedup measurement), ``final_eval`` (every policy's
+    evaluation) and ``total``. A part not measured (an arm resumed from a checkpoint or finished
+    before runs recorded their time) is None, and so is every sum that holds it."""
+    calibration = {"calibrated": _calibration_seconds(spec.workdir)}
+    calibration.update({a: _calibration_seconds(_tau_calibration_spec(spec, a).workdir) for a in runs if a in _OTHER_TAU})
+    arms = {a: {str(s): run.report.get("wall_s") for s, run in by_seed.items()} for a, by_seed in runs.items()}
+    parts = [*calibration.values(), *(t for by_seed in arms.values() for t in by_seed.values())]
+    if spec.study.final_eval_prompts:
+        parts.append(final_eval_s)
+    return {"calibration": calibration, "arms": arms, "final_eval": final_eval_s, "total": _sum_known(parts)}
 
 
 def print_study(report: dict) -> None:
@@ -252,4 +291,11 @@ def print_study(report: dict) -> None:
               f"predicted cost {fmt(row.get('predicted_cost_end'))}", flush=True)
     if "final_eval" in report:
         print("\n".join(format_final_eval(report["final_eval"])), flush=True)
+    wall = report.get("wall_s")
+    if wall:
+        minutes = lambda x: "not measured" if x is None else f"{x / 60:.1f} min"  # noqa: E731
+        arms = ", ".join(f"{a} {' / '.join(minutes(t) for t in by_seed.values())}" for a, by_seed in wall["arms"].items())
+        cal = ", ".join(f"{a} {minutes(t)}" for a, t in wall["calibration"].items())
+        print(f"[study] wall time: {minutes(wall['total'])} in all; calibration {cal}; arms (per seed) {arms}; "
+              f"final evaluation {minutes(wall['final_eval'])}", flush=True)
     print(json.dumps(report))
