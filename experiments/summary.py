@@ -2,7 +2,7 @@
 ``python -m experiments.summary runs/quickstart``.
 
 Reads ``config.json``, ``metrics.jsonl``, ``alpha_hist.jsonl`` and (when the run finished)
-``report.json``; prints a table (reward and dense / sparse validation start -> end with their
+``report.json``; prints a table (the run's wall time, reward and dense / sparse validation start -> end with their
 standard errors, the pooled per-bin p5 and each bin's worst step, the hold fraction, the rollout
 speedup and costs, seconds per phase) and redraws the run's plots. Works on a run that is still
 going or was killed: the figures are those of the steps logged so far. A study's workdir
@@ -74,6 +74,7 @@ def summarize_run(workdir: str, config: dict) -> dict:
     return {**figures, "workdir": workdir, "status": "finished" if done else f"at step {len(rows)} of {steps}",
             "window": reward_window(num_train, int(rollout["prompts_per_step"]), steps),
             "rollout_speedup": report.get("rollout_speedup"), "rollout_speedup_paired": report.get("rollout_speedup_paired"),
+            "wall_s": report.get("wall_s"), "wall_s_partial": report.get("wall_s_partial"),
             "gen_tokens_per_s": generated_tokens_per_s(rows), "predicted_cost_end": costs[-1] if costs else None,
             "timing_s": phase_seconds(rows), "rows": rows}
 
@@ -85,7 +86,13 @@ def table(columns: dict[str, dict]) -> str:
         spread = f" ({paired['min']:.2f}-{paired['max']:.2f})" if paired else ""
         return "-" if s["rollout_speedup"] is None else f"{s['rollout_speedup']:.2f}x{spread}"
 
+    def wall(s: dict) -> str:  # a run resumed from a checkpoint timed only its last process
+        if s["wall_s"] is not None:
+            return f"{s['wall_s'] / 60:.1f} min"
+        return "-" if s["wall_s_partial"] is None else f"{s['wall_s_partial'] / 60:.1f} min (resumed: its last process)"
+
     lines = [("status", lambda s: s["status"]),
+             ("wall time", wall),
              ("reward (sampled, train)", lambda s: f"{_fmt(s['reward_start'])} -> {_fmt(s['reward_end'])}"
                                                   f" (se of change {_fmt(s['reward_change_se'])})"),
              ("dense validation", lambda s: _start_end(s["val_dense"])),

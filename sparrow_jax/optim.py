@@ -23,6 +23,13 @@ def param_name(path) -> str:
     return ".".join(parts)
 
 
+def names_matching(tree, pattern: str) -> tuple[list[str], list[str]]:
+    """(the dotted names of ``tree``'s leaves that ``re.search``-match ``pattern``, every leaf's name)."""
+    names = [param_name(path) for path, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
+    regex = re.compile(pattern)
+    return [n for n in names if regex.search(n)], names
+
+
 def zero_matching(pattern: str) -> optax.GradientTransformation:
     """Zero the gradient of every parameter whose dotted name (:func:`param_name`) ``re.search``-matches
     ``pattern``: placed before Adam, those parameters never move (Adam's moments of them stay 0, and

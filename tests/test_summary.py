@@ -56,11 +56,14 @@ def test_summary_of_a_killed_run_then_its_report(tmp_path):
     assert lines["s/step gen"] == "3.00"  # the steps after the first (which compiles)
     assert lines["p5 bin 0"].startswith("0.8") and "400 tok" in lines["p5 bin 0"]
     assert lines["rollout speedup (paired)"] == "-"  # measured only when the run finishes
+    assert lines["wall time"] == "-"  # recorded when the run finishes
     assert plot == str(run / "reward.png") and (run / "reward.png").stat().st_size > 0
-    (run / "report.json").write_text(json.dumps({"steps": 4, "rollout_speedup": 1.7,
+    (run / "report.json").write_text(json.dumps({"steps": 4, "rollout_speedup": 1.7, "wall_s_partial": 90.0,
                                                  "rollout_speedup_paired": {"min": 1.5, "median": 1.7, "max": 1.9}}))
     text, _ = summarize(str(run))
     assert "1.70x (1.50-1.90)" in text and "finished" in text.splitlines()[1]  # the report holds the config's steps
+    lines = {line[:26].strip(): line[26:].strip() for line in text.splitlines()[1:]}
+    assert lines["wall time"] == "1.5 min (resumed: its last process)"
 
 
 def test_study_gets_a_column_per_logged_arm(tmp_path):

@@ -19,7 +19,6 @@ import dataclasses
 import functools
 import math
 import os
-import re
 import time
 from typing import TYPE_CHECKING, Any, NamedTuple, Optional
 
@@ -37,7 +36,7 @@ from sparrow_jax.mismatch.calibrate import kept_page_share, sparse_token_fractio
 from sparrow_jax.mismatch.probe import (candidate_tail, grouped_p5_lower_bound, probe_cost_vs_dense,
                                         probe_metrics)
 from sparrow_jax.models.lora import LoraConfig, init_lora, with_lora
-from sparrow_jax.optim import param_name
+from sparrow_jax.optim import names_matching
 from sparrow_jax.parallel import (host_array, is_primary, make_mesh, mesh_context, shard_batch, shard_params,
                                   shard_train_state)
 from sparrow_jax.parallel.process_rows import gather_rows, process_rows, rows_to_global
@@ -272,8 +271,7 @@ def make_loop(spec: RunSpec, ctx: RunContext) -> Loop:
         raise ValueError(f"train.reward_horizon_mask=True: task {ctx.task.name!r} defines no reward horizon "
                          "(tasks that do: recurrence_trace)")
     if tr.frozen_params:
-        names = [param_name(path) for path, _ in jax.tree_util.tree_flatten_with_path(ctx.params)[0]]
-        frozen = [n for n in names if re.search(tr.frozen_params, n)]
+        frozen, names = names_matching(ctx.params, tr.frozen_params)
         if not frozen or len(frozen) == len(names):
             raise ValueError(f"train.frozen_params={tr.frozen_params!r} matches {'no' if not frozen else 'every'} "
                              f"parameter of the model (names like {names[1]!r}, {names[-1]!r})")
