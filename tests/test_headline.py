@@ -318,3 +318,18 @@ def test_two_seed_study_resumes_seed_by_seed_and_calibrates_the_low_arm(tmp_path
     assert trained == ["calibrated_high/seed_0", "calibrated_high/seed_1"]
     assert calibrations[-1] == (f"{tmp_path}/calibrated_high", 0.92) and report["high_tau"] == 0.92
     assert report["final_eval"]["reward_mean@4"]["arms"]["calibrated_high"]["vs_dense"] == pytest.approx(-0.05)
+
+
+def test_p5_series_join_the_scored_steps_of_a_run_scored_every_other_step():
+    """With ``train.mismatch_every=2`` the p5 is logged on steps 1 and 3 only: the panel's line runs
+    through those points (NaN gaps would leave no line at all); a step where a bin got no tokens
+    is left out of that bin's line."""
+    from sparrow_jax.run.study_plots import p5_by_bin_over_steps
+
+    rows = [{"step": 1, "mismatch/count/bin_0": 50.0, "mismatch/alpha_p5/bin_0": 0.9,
+             "mismatch/count/bin_16": 0.0, "mismatch/alpha_p5/bin_16": 0.0},
+            {"step": 2},
+            {"step": 3, "mismatch/count/bin_0": 40.0, "mismatch/alpha_p5/bin_0": 0.8,
+             "mismatch/count/bin_16": 10.0, "mismatch/alpha_p5/bin_16": 0.7},
+            {"step": 4}]
+    assert p5_by_bin_over_steps(rows) == {"bin 0": ([1, 3], [0.9, 0.8]), "bin 16": ([3], [0.7])}

@@ -45,12 +45,19 @@ def tokens_per_s(rows_by_seed: list[list[dict]]) -> tuple[list, list]:
     return steps, [float(np.mean(per_step[s])) for s in steps]
 
 
+def logged_points(steps: list, values: list) -> tuple[list, list]:
+    """The (steps, values) that hold a finite value: a statistic logged on some steps only (every
+    ``train.mismatch_every``-th) draws one line through them, not isolated points between gaps."""
+    kept = [(s, v) for s, v in zip(steps, values) if np.isfinite(v)]
+    return [s for s, _ in kept], [v for _, v in kept]
+
+
 def p5_by_bin_over_steps(rows: list[dict]) -> dict[str, tuple[list, list]]:
-    """``{"bin <start>": (steps, p5 per step, NaN where the bin got no tokens)}`` of the bins that
+    """``{"bin <start>": (steps, p5)}`` over the steps where the bin got tokens, of the bins that
     received tokens at some step."""
     counts, p5 = bin_series(rows, "mismatch/count"), bin_series(rows, "mismatch/alpha_p5")
     steps = [r["step"] for r in rows]
-    return {f"bin {b}": (steps, [v if n > 0 else np.nan for v, n in zip(p5.get(b, [np.nan] * len(rows)), c)])
+    return {f"bin {b}": logged_points(steps, [v if n > 0 else np.nan for v, n in zip(p5.get(b, [np.nan] * len(rows)), c)])
             for b, c in counts.items() if np.nansum(c) > 0}
 
 
@@ -87,17 +94,16 @@ def plot_study(arms: dict[str, list], path: str) -> None:
     series = lambda key: {a: (steps[a], [h.get(key, np.nan) for h in hist]) for a, hist in arms.items()}
     speed = {a: (steps[a], [h.get("rollout/generated_tokens", np.nan) / h.get("rollout/decode_s", np.nan)
                             for h in hist]) for a, hist in arms.items()}
+    alpha = {a: logged_points(*v) for a, v in series("mismatch/alpha_mean").items() if a != "dense"}
     panels = [("reward", "reward_mean", series("reward_mean")),
-              ("mean alpha (sparse arms)", "alpha mean", {a: v for a, v in series("mismatch/alpha_mean").items()
-                                                          if a != "dense"}),
+              ("mean alpha (sparse arms)", "alpha mean", {a: v for a, v in alpha.items() if v[0]}),
               ("generated tokens per rollout second", "tok/s", speed)]
     for a, hist in arms.items():
         if a == "dense":
             continue
         counts = bin_series(hist, "mismatch/count")
         used = [b for b, c in counts.items() if np.nansum(c) > 0]
-        p5 = bin_series(hist, "mismatch/alpha_p5")
-        panels.append((f"p5 per bin: {a}", "alpha p5", {f"bin {b}": (steps[a], p5[b]) for b in used if b in p5}))
+        panels.append((f"p5 per bin: {a}", "alpha p5", p5_by_bin_over_steps(hist)))
         topk = bin_series(hist, "schedule/topk")
         if any(len({v for v in values if np.isfinite(v)}) > 1 for values in topk.values()):
             panels.append((f"top-k per bin: {a}", "pages", {f"bin {b}": (steps[a], topk[b]) for b in used
