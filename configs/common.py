@@ -179,6 +179,10 @@ def train_config() -> ConfigDict:
         # the parameters it matches get no update ("": every parameter trains)
         frozen_params="",
         adv_mode="grpo",  # grpo (std-normalised) | drgrpo
+        # each token's baseline: group (the group's mean reward, one advantage per completion) | prefix
+        # (the mean reward of the group's completions sharing the token's prefix: tokens the group shares
+        # get no net update, the update sits where its samples part; sparrow_jax/rl/advantages.py)
+        adv_baseline="group",
         clip_low=0.2,  # PPO epsilon below 1
         clip_high=0.28,  # PPO epsilon above 1 (clip-higher)
         dual_clip=0.0,  # dual-clip constant for negative advantages (0 disables)

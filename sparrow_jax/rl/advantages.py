@@ -1,4 +1,4 @@
-"""Group-relative advantages for outcome rewards (GRPO and Dr.GRPO).
+"""Group-relative advantages for outcome rewards (GRPO and Dr.GRPO), per completion or per token.
 
 Follows verl ``compute_grpo_outcome_advantage`` (``norm_adv_by_std_in_grpo`` True for
 "grpo", False for "drgrpo"): the rewards of the ``group_size`` completions sampled for one
@@ -11,6 +11,12 @@ GRPOTrainer does too). A group of one completion gets mean 0 and std 1, as in ve
 Rewards are laid out group-major: row ``i`` belongs to group ``i // group_size``, i.e. the
 ``group_size`` samples of a prompt are contiguous (what a rollout with ``n`` samples per
 prompt produces).
+
+:func:`prefix_advantages` gives each token its own baseline: the mean reward of the group's
+completions that share the token's prefix (a group's samples form a tree rooted at the prompt).
+Completions on one prefix are in the same state, so the baseline is a value estimate of that state;
+a token all of them share then gets advantages that sum to zero over the group (no net update), and
+the update concentrates on the tokens where the group's samples part.
 """
 from __future__ import annotations
 
@@ -19,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 ADVANTAGE_MODES = ("grpo", "drgrpo")
+ADVANTAGE_BASELINES = ("group", "prefix")
 
 
 def group_advantages(rewards: jax.Array, group_size: int, mode: str = "grpo",
@@ -62,6 +69,47 @@ def group_advantages(rewards: jax.Array, group_size: int, mode: str = "grpo",
     else:
         adv = r - mean
     return adv.reshape(n).astype(rewards.dtype)
+
+
+def prefix_advantages(rewards: np.ndarray, tokens: np.ndarray, mask: np.ndarray, group_size: int,
+                      mode: str = "grpo", eps: float = 1e-6) -> np.ndarray:
+    """Per-token advantages [N, T] whose baseline is the mean reward of the group's rows sharing the prefix.
+
+    Row i's token t gets ``(r_i - mean{r_k : row k of i's group has tokens[k, :t] == tokens[i, :t]})``,
+    divided by the group's reward std + eps (ddof=1) for "grpo" (the same scale as
+    :func:`group_advantages`, whose advantages these equal at a group's first completion token), not
+    for "drgrpo". Row i always shares its own prefix, so a row alone on its prefix gets 0 there: its
+    tokens past the group's last parting carry no comparison.
+
+    Args:
+      rewards: [N] float, one reward per row, group-major (rows ``g * G .. g * G + G - 1`` one prompt).
+      tokens: [N, T] int, prompt and completion tokens; the rows of a group share their prompt, so
+        their positions align.
+      mask: [N, T] the completion tokens (0 elsewhere; the result is 0 there).
+      group_size: G >= 1; N must be a multiple of G.
+    """
+    rewards, tokens, mask = np.asarray(rewards, np.float32), np.asarray(tokens), np.asarray(mask)
+    if mode not in ADVANTAGE_MODES:
+        raise ValueError(f"prefix_advantages: mode must be one of {ADVANTAGE_MODES}, got {mode!r}")
+    n = rewards.shape[0]
+    if rewards.ndim != 1 or tokens.ndim != 2 or tokens.shape[0] != n or mask.shape != tokens.shape:
+        raise ValueError(f"prefix_advantages: need rewards [N], tokens [N, T] and mask [N, T]; got "
+                         f"{rewards.shape}, {tokens.shape}, {mask.shape}")
+    if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1 or n % group_size:
+        raise ValueError(f"prefix_advantages: group_size must be an int >= 1 dividing N={n}, got {group_size!r}")
+    g, t = group_size, tokens.shape[1]
+    r = rewards.reshape(-1, g)
+    adv = np.zeros((n // g, g, t), np.float32)
+    for p, tok in enumerate(tokens.reshape(-1, g, t)):  # one group at a time: [G, G, T] booleans
+        differ = tok[:, None, :] != tok[None, :, :]
+        # first position where rows i and k differ (T where they never do): k shares i's prefix at t <= it
+        parting = np.where(differ.any(-1), differ.argmax(-1), t)  # [G(i), G(k)]
+        shares = np.arange(t)[None, None, :] <= parting[..., None]  # [G(i), G(k), T]
+        adv[p] = r[p, :, None] - (shares * r[p, None, :, None]).sum(1) / shares.sum(1)
+    if mode == "grpo":
+        std = r.std(axis=1, ddof=1, keepdims=True) if g > 1 else np.ones_like(r[:, :1])
+        adv = adv / (std[:, :, None] + eps)
+    return (adv.reshape(n, t) * (mask > 0)).astype(np.float32)
 
 
 def coin_flip_rewards(rewards: np.ndarray, seed: tuple[int, ...]) -> np.ndarray:

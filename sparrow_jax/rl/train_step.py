@@ -108,7 +108,7 @@ class Batch(NamedTuple):
     tokens: jax.Array  # int32 [B, T]
     mask: jax.Array  # float32 [B, T] completion tokens (the statistics' tokens)
     logp_sampler: jax.Array  # float32 [B, T]
-    advantages: jax.Array  # float32 [B]
+    advantages: jax.Array  # float32 [B], or [B, T] per token (train.adv_baseline="prefix")
     prompt_lens: jax.Array  # int32 [B] (the sampler's prompt prefill is dense)
     loss_mask: Optional[jax.Array] = None  # float32 [B, T] the policy loss's tokens, a subset of mask; None: mask
 
@@ -181,7 +181,7 @@ class _Rows(NamedTuple):
 
     tokens: jax.Array  # int32 [B, T]
     mask: jax.Array  # float32 [B, T] tokens in the loss (completion tokens minus rejected ones)
-    advantages: jax.Array  # float32 [B]
+    advantages: jax.Array  # float32 [B], or [B, T] per token (train.adv_baseline="prefix")
     logp_old: jax.Array  # float32 [B, T] the policy that produced the batch (PPO ratio denominator)
     is_weights: Optional[jax.Array]  # float32 [B, T] TIS weights vs that old policy, or None
     logp_ref: Optional[jax.Array]  # float32 [B, T] reference policy (KL term), or None
@@ -193,7 +193,7 @@ class _OnPolicyRows(NamedTuple):
     tokens: jax.Array  # int32 [B, T]
     mask: jax.Array  # float32 [B, T] completion tokens
     logp_sampler: jax.Array  # float32 [B, T]
-    advantages: jax.Array  # float32 [B]
+    advantages: jax.Array  # float32 [B], or [B, T] per token (train.adv_baseline="prefix")
     logp_ref: Optional[jax.Array]  # float32 [B, T] reference policy (KL term), or None
 
 

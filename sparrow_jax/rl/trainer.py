@@ -40,7 +40,7 @@ from sparrow_jax.optim import names_matching
 from sparrow_jax.parallel import (host_array, is_primary, make_mesh, mesh_context, shard_batch, shard_params,
                                   shard_train_state)
 from sparrow_jax.parallel.process_rows import gather_rows, process_rows, rows_to_global
-from sparrow_jax.rl.advantages import coin_flip_rewards, group_advantages
+from sparrow_jax.rl.advantages import coin_flip_rewards, group_advantages, prefix_advantages
 from sparrow_jax.rl.collect import CollectOptions, collect_batch, completion_lens
 from sparrow_jax.rl.context import RunContext
 from sparrow_jax.rl.guards import assert_finite, nonfinite_streak
@@ -421,10 +421,13 @@ def collect(loop: Loop, state: LoopState, key) -> tuple[Batch, dict, jax.Array]:
     if loop.spec.train.random_reward:  # the control: the update sees coin flips, the logs the real rewards
         learned = coin_flip_rewards(rewards, (loop.spec.seed, int(state.step), start))
         metrics["reward/random_mean"] = float(np.mean(learned))
-    adv = np.asarray(group_advantages(jnp.asarray(learned), g, mode=loop.spec.train.adv_mode))
     width = int(gather(np.asarray([rollout.lengths.max()])).max())  # the same padded length everywhere
     tokens, mask, logp = _pad_batch(rollout, width)
     mask = mask_truncated(mask, ~rows_in_loss)
+    if loop.spec.train.adv_baseline == "prefix":  # [B, T]: each block of rows holds whole groups
+        adv = prefix_advantages(learned, tokens, mask, g, mode=loop.spec.train.adv_mode)
+    else:
+        adv = np.asarray(group_advantages(jnp.asarray(learned), g, mode=loop.spec.train.adv_mode))
     loss_mask = None
     if loop.spec.train.reward_horizon_mask:
         loss_mask = mask * reward_horizon_mask(loop.ctx, rollout, rows_of_round[0], mask.shape[1])

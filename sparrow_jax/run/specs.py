@@ -153,6 +153,7 @@ class TrainSpec:
     frozen_params: str = ""  # regex over dotted parameter names (layers.0.self_attn.q_proj.kernel): no updates ("": none)
     horizon_groups: int = 0  # G > 0: the update runs in G row groups, each cut at its longest loss row (0: whole rows)
     mismatch_every: int = 1  # N: the sparse actor's exact acceptance statistics on every N-th step (TIS every step)
+    adv_baseline: str = "group"  # group: the group's mean reward | prefix: the mean over the rows sharing a token's prefix
 
 
 @_spec
@@ -310,6 +311,7 @@ CHOICES = {
     "rollout.engine": ("auto", "continuous", "fixed"),
     "schedule.impl": ("auto", "reference", "xla", "cpu", "pallas_tpu", "pallas_gpu", "triton"),
     "train.adv_mode": ("grpo", "drgrpo"),
+    "train.adv_baseline": ("group", "prefix"),
     "train.loss_agg": ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum"),
     "train.tis_level": ("token", "sequence"),
     "train.kl_kind": ("k1", "k2", "k3"),
