@@ -183,6 +183,11 @@ def train_config() -> ConfigDict:
         # (the mean reward of the group's completions sharing the token's prefix: tokens the group shares
         # get no net update, the update sits where its samples part; sparrow_jax/rl/advantages.py)
         adv_baseline="group",
+        # the tokens the acceptance-rate tail counts (calibration, its validation, each step's mismatch/*
+        # statistics, the online controller): completion (every completion token) | loss (with
+        # reward_horizon_mask, those up to each completion's reward horizon: the tokens past it get no
+        # update, and on a prefix reward a sparse rollout's tokens after its first error are most of its tail)
+        tail_tokens="completion",
         clip_low=0.2,  # PPO epsilon below 1
         clip_high=0.28,  # PPO epsilon above 1 (clip-higher)
         dual_clip=0.0,  # dual-clip constant for negative advantages (0 disables)

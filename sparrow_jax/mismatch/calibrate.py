@@ -29,7 +29,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import jax
 import numpy as np
@@ -42,6 +42,8 @@ from sparrow_jax.models.qwen3 import Params
 from sparrow_jax.rollout.sampler import SamplingParams, generate
 from sparrow_jax.rollout.schedule import SparsitySchedule
 
+# (rollout, index of its first row) -> [b, T] the tokens a tail counts (run.calibration: the reward horizon's)
+TokenMask = Callable[[Any, int], np.ndarray]
 DEFAULT_MIN_COUNT = 40  # tokens a bin needs before its 5th percentile is trusted
 
 
@@ -52,7 +54,7 @@ def _scoring_temperature(sampling: SamplingParams) -> float:
 def measure_tail(config: Qwen3Config, params: Params, prompts: Sequence[Sequence[int]],
                  schedule: SparsitySchedule, sampling: SamplingParams, samples_per_prompt: int,
                  key: jax.Array, percentile: float = 5.0, pad_id: int = 0, batch_size: int = 64,
-                 sparse_params: Params | None = None) -> dict[str, Any]:
+                 sparse_params: Params | None = None, token_mask: TokenMask | None = None) -> dict[str, Any]:
     """Sparse rollouts under ``schedule`` -> per-bin tail of alpha over completion tokens.
 
     Args:
@@ -60,6 +62,9 @@ def measure_tail(config: Qwen3Config, params: Params, prompts: Sequence[Sequence
       schedule: the sparse actor's schedule (bins of ``schedule.bin_width`` tokens).
       sparse_params: the sparse actor's params (default: ``params``, no LoRA).
       batch_size: rows per generate/score call.
+      token_mask: ``token_mask(rollout, first_row)`` -> [b, T] the tokens of the ``b`` rows from
+        ``first_row`` on (rows are ``prompts`` in order, each repeated ``samples_per_prompt``
+        times) that the tail counts, within their completions; None counts every completion token.
     Returns dict: ``bin_starts`` int [n], ``p`` (percentile) float [n], ``mean`` float [n],
     ``count`` int [n] over the non-empty bins; ``tokens`` (completion tokens), ``finished``
     (share of rows that stopped), ``scorer_logp_max_err`` (max |sampler log-prob - scorer
@@ -85,7 +90,8 @@ def measure_tail(config: Qwen3Config, params: Params, prompts: Sequence[Sequence
                               jax.numpy.asarray(out.prompt_lens),  # the prompt prefill is dense
                               schedule=schedule, temperature=temperature, top_k=0)
         alpha = np.asarray(stats["alpha"])
-        acc.update(alpha, np.broadcast_to(query_positions(alpha.shape[1]), alpha.shape), out.completion_mask)
+        counted = out.completion_mask if token_mask is None else out.completion_mask & (token_mask(out, i) > 0)
+        acc.update(alpha, np.broadcast_to(query_positions(alpha.shape[1]), alpha.shape), counted)
         if comparable and out.completion_mask.any():
             diff = np.abs(np.asarray(stats["logp_sparse"]) - out.logprobs)[out.completion_mask]
             err = max(err, float(diff.max()))
@@ -158,7 +164,7 @@ def calibrate(config: Qwen3Config, params: Params, prompts: Sequence[Sequence[in
               tau: float, schedule_base: SparsitySchedule, sampling: SamplingParams, samples_per_prompt: int,
               key: jax.Array, percentile: float = 5.0, *, min_count: int = DEFAULT_MIN_COUNT,
               hardware: str = "cpu", pad_id: int = 0, batch_size: int = 64, progress: bool = False,
-              sparse_params: Params | None = None) -> dict[str, Any]:
+              sparse_params: Params | None = None, token_mask: TokenMask | None = None) -> dict[str, Any]:
     """Measure the budget x bin tail table and derive the calibrated schedule.
 
     Args:
@@ -170,6 +176,7 @@ def calibrate(config: Qwen3Config, params: Params, prompts: Sequence[Sequence[in
       sampling: how the sparse actor samples (``stop_ids`` should hold the EOS).
       percentile: the tail percentile (5 = the paper's p5).
       min_count: completion tokens a (budget, bin) entry needs to count.
+      token_mask: the tokens the tail counts (:func:`measure_tail`); None: every completion token.
     Returns dict:
       ``schedule``: the SparsitySchedule (``meta``: tau, percentile, min_count, table,
         flagged/inherited bins);
@@ -185,7 +192,7 @@ def calibrate(config: Qwen3Config, params: Params, prompts: Sequence[Sequence[in
     for k in ks:
         measured[k] = measure_tail(config, params, prompts, fixed_schedule(schedule_base, k), sampling,
                                    samples_per_prompt, key, percentile, pad_id=pad_id, batch_size=batch_size,
-                                   sparse_params=sparse_params)
+                                   sparse_params=sparse_params, token_mask=token_mask)
         if progress:
             m = measured[k]
             print(f"[calibrate] top-k {k}: {m['tokens']} tokens, min p{percentile:g} "
@@ -218,15 +225,16 @@ def calibrate(config: Qwen3Config, params: Params, prompts: Sequence[Sequence[in
 def validate(config: Qwen3Config, params: Params, prompts: Sequence[Sequence[int]], schedule: SparsitySchedule,
              sampling: SamplingParams, samples_per_prompt: int, key: jax.Array, percentile: float = 5.0, *,
              tau: float | None = None, margin: float = 0.02, min_count: int = DEFAULT_MIN_COUNT,
-             pad_id: int = 0, batch_size: int = 64, sparse_params: Params | None = None) -> dict[str, Any]:
-    """Per-bin tail of a (calibrated) schedule on fresh prompts.
+             pad_id: int = 0, batch_size: int = 64, sparse_params: Params | None = None,
+             token_mask: TokenMask | None = None) -> dict[str, Any]:
+    """Per-bin tail of a (calibrated) schedule on fresh prompts (``token_mask``: as :func:`measure_tail`).
 
     Returns dict: ``bin_starts``, ``p5``, ``mean``, ``count`` (lists over non-empty bins),
     ``min_p5`` over bins with >= ``min_count`` tokens, and, with ``tau``, ``meets`` per bin
     (``p5 >= tau - margin``, None for bins under ``min_count``) and ``ok`` (all measured bins meet).
     """
     m = measure_tail(config, params, prompts, schedule, sampling, samples_per_prompt, key, percentile,
-                     pad_id=pad_id, batch_size=batch_size, sparse_params=sparse_params)
+                     pad_id=pad_id, batch_size=batch_size, sparse_params=sparse_params, token_mask=token_mask)
     reliable = m["count"] >= min_count
     out = dict(bin_starts=m["bin_starts"].tolist(), p5=m["p"].tolist(), mean=m["mean"].tolist(),
                count=m["count"].tolist(), percentile=float(percentile),

@@ -31,7 +31,7 @@ from sparrow_jax.rl.train_step import (Batch, DistillOptions, StepOptions, Train
                                        _apply_update_jit, _check_step, _merge_rows, _micro_batch_weights,
                                        _old_policy_jit, _on_policy_loss, _OnPolicyRows, _ref_logprobs_jit, PhaseTimer,
                                        _sparse_actor_jit, _split_rows, _step_metrics_jit, _tis, on_policy,
-                                       policy_loss_mask)
+                                       policy_loss_mask, tail_mask)
 
 WIDTH_MULTIPLE = 128  # group cuts are multiples of this: at most T / 128 compiled shapes per group size
 
@@ -146,7 +146,8 @@ def timed_grouped_train_step(state: TrainState, batch: Batch, groups: list[RowGr
                                                   loss, metrics, optimizer=optimizer)
 
     def fetch():
-        m = _step_metrics_jit(out, [update_metrics], [ok], sparse_metrics, alpha, kl, batch.mask, opts=opts)
+        m = _step_metrics_jit(out, [update_metrics], [ok], sparse_metrics, alpha, kl, tail_mask(batch, opts),
+                          opts=opts)
         return jax.device_get(m)
 
     host = timed("statistics", fetch)

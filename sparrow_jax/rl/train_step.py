@@ -73,6 +73,10 @@ class StepOptions:
     # a single on-policy update takes its old log-probs from its own forward (on_policy); True runs
     # the old policy's separate pass anyway (the reference of that fusion)
     separate_old_pass: bool = False
+    # the acceptance statistics (mismatch/*) count the policy loss's tokens (batch.loss_mask: with
+    # train.reward_horizon_mask, those up to each completion's reward horizon) instead of every
+    # completion token: the tokens past the horizon get no update, whatever their mismatch
+    tail_over_loss: bool = False
 
     @property
     def bin_starts(self) -> list[int]:
@@ -140,6 +144,11 @@ def policy_loss_mask(batch: Batch) -> jax.Array:
     """The tokens the policy loss sees: ``batch.loss_mask`` where given (completions cut at their
     reward horizon), else every completion token. Statistics use ``batch.mask`` either way."""
     return batch.mask if batch.loss_mask is None else batch.loss_mask
+
+
+def tail_mask(batch: Batch, opts: StepOptions) -> jax.Array:
+    """float32 [B, T]: the tokens the acceptance statistics count (``opts.tail_over_loss``: the loss's)."""
+    return policy_loss_mask(batch) if opts.tail_over_loss else batch.mask
 
 
 def make_optimizer(learning_rate: float, max_grad_norm: float = 1.0, warmup_steps: int = 0,
@@ -557,7 +566,7 @@ def train_step(state: TrainState, batch: Batch, sparse_params=None, lora_state: 
         alpha, kl, new_lora_state, sparse_metrics = _sparse_actor(
             state.params, batch, dense, sparse_params, lora_state, config=config, schedule=schedule, opts=opts,
             lora_cfg=lora_cfg, lora_optimizer=lora_optimizer, distill=distill)
-    out = _step_metrics(out, update_metrics, finite, sparse_metrics, alpha, kl, batch.mask, opts)
+    out = _step_metrics(out, update_metrics, finite, sparse_metrics, alpha, kl, tail_mask(batch, opts), opts)
     return TrainState(state.step + 1, params, opt_state), new_lora_state, out
 
 
@@ -658,7 +667,8 @@ def timed_train_step(state: TrainState, batch: Batch, sparse_params=None, lora_s
             finite.append(ok)
 
     def fetch():
-        m = _step_metrics_jit(out, update_metrics, finite, sparse_metrics, alpha, kl, batch.mask, opts=opts)
+        m = _step_metrics_jit(out, update_metrics, finite, sparse_metrics, alpha, kl, tail_mask(batch, opts),
+                              opts=opts)
         return jax.device_get(m)
 
     host = timed("statistics", fetch)

@@ -261,7 +261,8 @@ def step_options(tr: TrainSpec, temperature: float, bin_width: int, max_len: int
                        global_rows=tr.seq_mean_rows == "all" or (tr.seq_mean_rows == "auto" and masking is not None),
                        entropy_coef=tr.entropy_coef, kl_coef=tr.kl_coef, kl_kind=tr.kl_kind, temperature=temperature,
                        ppo_epochs=tr.ppo_epochs, mini_batches=tr.mini_batches, micro_batches=tr.micro_batches,
-                       remat=tr.remat, num_bins=max(1, -(-max_len // bin_width)), bin_width=bin_width)
+                       remat=tr.remat, num_bins=max(1, -(-max_len // bin_width)), bin_width=bin_width,
+                       tail_over_loss=tr.tail_tokens == "loss")
 
 
 def make_loop(spec: RunSpec, ctx: RunContext) -> Loop:

@@ -17,7 +17,8 @@ import numpy as np
 
 from sparrow_jax.io import atomic_write_json
 from sparrow_jax.io.plots import plot_p5_by_position
-from sparrow_jax.mismatch.calibrate import calibrate, spread_context_lengths, validate
+from sparrow_jax.mismatch.calibrate import TokenMask, calibrate, spread_context_lengths, validate
+from sparrow_jax.rl.trainer import reward_horizon_mask
 from sparrow_jax.rollout import SparsitySchedule
 from sparrow_jax.run.context import RunContext, build_run_context, generator_args, schedule_layout
 from sparrow_jax.run.specs import ConfigError, RunSpec, TaskSpec
@@ -77,6 +78,17 @@ def task_prompts(t: TaskSpec, ctx: RunContext, n: int, seed: int,
     return examples, [ctx.encode(ex) for ex in examples]
 
 
+def tail_token_mask(spec: RunSpec, ctx: RunContext, examples: list[dict]) -> Optional[TokenMask]:
+    """The tokens calibration's tail counts, as the RL step's statistics do (``train.tail_tokens``):
+    None (every completion token), or each row's tokens up to its reward horizon (``"loss"``); the
+    rows are ``examples`` in order, each ``calibration.samples_per_prompt`` times."""
+    if spec.train.tail_tokens != "loss":
+        return None
+    rows = [e for e in examples for _ in range(spec.calibration.samples_per_prompt)]
+    return lambda rollout, first: reward_horizon_mask(ctx, rollout, rows[first:first + len(rollout.lengths)],
+                                                      rollout.tokens.shape[1])
+
+
 def calibrate_run(spec: RunSpec, ctx: Optional[RunContext] = None, progress: bool = True) -> dict[str, Any]:
     """Calibrate the run's model (the same :func:`build_run_context` model RL will run).
 
@@ -98,8 +110,8 @@ def calibrate_run(spec: RunSpec, ctx: Optional[RunContext] = None, progress: boo
     if bad:
         raise ValueError(f"schedule.dense_layers {list(base.dense_layers)} name layers past the model's "
                          f"{config.num_hidden_layers}")
-    _, prompts = task_prompts(spec.task, ctx, cal.num_prompts, spec.task.seed + 1, cal.spread_prompts)
-    _, fresh = task_prompts(spec.task, ctx, cal.validate_prompts, spec.task.seed + 2, cal.spread_prompts)
+    examples, prompts = task_prompts(spec.task, ctx, cal.num_prompts, spec.task.seed + 1, cal.spread_prompts)
+    fresh_examples, fresh = task_prompts(spec.task, ctx, cal.validate_prompts, spec.task.seed + 2, cal.spread_prompts)
     key = jax.random.PRNGKey(spec.seed)
     if progress:
         print(f"[calibrate] {config.num_params():,} params ({spec.model.source}), {len(prompts)} prompts of "
@@ -107,11 +119,13 @@ def calibrate_run(spec: RunSpec, ctx: Optional[RunContext] = None, progress: boo
               f"budgets {list(cal.budgets)}, tau {cal.tau}", flush=True)
     result = calibrate(config, ctx.params, prompts, cal.budgets, cal.tau, base, ctx.sampling,
                        cal.samples_per_prompt, jax.random.fold_in(key, 1), cal.percentile,
-                       min_count=cal.min_count, pad_id=ctx.tokenizer.pad_id, progress=progress)
-    check = lambda sched, rows, round_: validate(  # noqa: E731
+                       min_count=cal.min_count, pad_id=ctx.tokenizer.pad_id, progress=progress,
+                       token_mask=tail_token_mask(spec, ctx, examples))
+    check = lambda sched, rows, rows_examples, round_: validate(  # noqa: E731
         config, ctx.params, rows, sched, ctx.sampling, cal.samples_per_prompt, jax.random.fold_in(key, 2 + round_),
-        cal.percentile, tau=cal.tau, min_count=cal.min_count, pad_id=ctx.tokenizer.pad_id)
-    schedule, validation = result["schedule"], check(result["schedule"], fresh, 0)
+        cal.percentile, tau=cal.tau, min_count=cal.min_count, pad_id=ctx.tokenizer.pad_id,
+        token_mask=tail_token_mask(spec, ctx, rows_examples))
+    schedule, validation = result["schedule"], check(result["schedule"], fresh, fresh_examples, 0)
     raised = []  # one entry per revalidation round
     for round_ in range(1, cal.revalidate_rounds + 1):
         failed = failed_bins(validation)
@@ -119,9 +133,10 @@ def calibrate_run(spec: RunSpec, ctx: Optional[RunContext] = None, progress: boo
         if bumped is None:  # passed, or no larger budget left
             break
         # fresh prompts each round: a schedule raised until it passes one set would fit that set's noise
-        _, fresh = task_prompts(spec.task, ctx, cal.validate_prompts, spec.task.seed + 2 + round_, cal.spread_prompts)
+        fresh_examples, fresh = task_prompts(spec.task, ctx, cal.validate_prompts, spec.task.seed + 2 + round_,
+                                             cal.spread_prompts)
         raised.append(dict(from_topk=list(schedule.topk), to_topk=list(bumped.topk), failed_bins=failed))
-        schedule, validation = bumped, check(bumped, fresh, round_)
+        schedule, validation = bumped, check(bumped, fresh, fresh_examples, round_)
         if progress:
             print(f"[calibrate] validation failed in bins {[b for b, _ in failed]}: raised to top-k "
                   f"{list(schedule.topk)}, revalidated on fresh prompts: min p5 {validation['min_p5']:.4f}", flush=True)
@@ -154,7 +169,7 @@ def _write_outputs(spec: RunSpec, config, base, result: dict, validation: dict, 
     plot_p5_by_position(series, cal.tau, paths["png"],
                         title=f"p{cal.percentile:g} of acceptance rate by position ({spec.model.source} model)")
     atomic_write_json(paths["table_path"], dict(
-        tau=cal.tau, min_count=cal.min_count, model_source=spec.model.source,
+        tau=cal.tau, min_count=cal.min_count, model_source=spec.model.source, tail_tokens=spec.train.tail_tokens,
         num_params=config.num_params(), **table, schedule_topk=list(schedule.topk),
         flagged_bins=result["flagged_bins"], inherited_bins=result["inherited_bins"],
         per_budget=result["per_budget"], validation=validation, raised=result.get("raised", []),

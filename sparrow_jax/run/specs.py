@@ -154,6 +154,7 @@ class TrainSpec:
     horizon_groups: int = 0  # G > 0: the update runs in G row groups, each cut at its longest loss row (0: whole rows)
     mismatch_every: int = 1  # N: the sparse actor's exact acceptance statistics on every N-th step (TIS every step)
     adv_baseline: str = "group"  # group: the group's mean reward | prefix: the mean over the rows sharing a token's prefix
+    tail_tokens: str = "completion"  # the acceptance tail counts every completion token | the loss's (reward horizon)
 
 
 @_spec
@@ -312,6 +313,7 @@ CHOICES = {
     "schedule.impl": ("auto", "reference", "xla", "cpu", "pallas_tpu", "pallas_gpu", "triton"),
     "train.adv_mode": ("grpo", "drgrpo"),
     "train.adv_baseline": ("group", "prefix"),
+    "train.tail_tokens": ("completion", "loss"),
     "train.loss_agg": ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum"),
     "train.tis_level": ("token", "sequence"),
     "train.kl_kind": ("k1", "k2", "k3"),
@@ -490,6 +492,8 @@ def _validate_inert(spec: RunSpec) -> None:
     _require(r.top_k == 0, "rollout.top_k", r.top_k, "must be 0 (the train step scores the untruncated distribution)")
     _require(tr.clip_low < 1, "train.clip_low", tr.clip_low,
              "must be < 1 (the PPO ratio's lower bound is 1 - clip_low)")
+    _require(tr.tail_tokens != "loss" or tr.reward_horizon_mask, "train.tail_tokens", tr.tail_tokens,
+             "counts the tokens up to each completion's reward horizon: it needs train.reward_horizon_mask=True")
     _require(not (tr.reward_horizon_mask and tr.dynamic_sampling), "train.reward_horizon_mask",
              tr.reward_horizon_mask, "does not combine with train.dynamic_sampling (its rounds drop rows)")
     devices = spec.mesh.data * spec.mesh.fsdp * spec.mesh.tensor
