@@ -186,7 +186,9 @@ def train_config() -> ConfigDict:
         # the tokens the acceptance-rate tail counts (calibration, its validation, each step's mismatch/*
         # statistics, the online controller): completion (every completion token) | loss (with
         # reward_horizon_mask, those up to each completion's reward horizon: the tokens past it get no
-        # update, and on a prefix reward a sparse rollout's tokens after its first error are most of its tail)
+        # update, and on a prefix reward a sparse rollout's tokens after its first error are most of its
+        # tail; alone it misses the few tokens that end traces early, so a calibration on it can pick
+        # budgets that kill traces: docs/results.md)
         tail_tokens="completion",
         clip_low=0.2,  # PPO epsilon below 1
         clip_high=0.28,  # PPO epsilon above 1 (clip-higher)
