@@ -178,6 +178,11 @@ def train_config() -> ConfigDict:
         # a regex over dotted parameter names (layers.0.self_attn.q_proj.kernel, embed_tokens, norm.weight):
         # the parameters it matches get no update ("": every parameter trains)
         frozen_params="",
+        # a regex over the same names whose parameters move at lr_scale times learning_rate ("": none):
+        # e.g. the final norm (^norm\.), which scales every logit, so RL can sharpen the policy at a rate
+        # its noisy updates cannot walk the attention at (docs/results.md)
+        lr_scale_params="",
+        lr_scale=1.0,
         adv_mode="grpo",  # grpo (std-normalised) | drgrpo
         # each token's baseline: group (the group's mean reward, one advantage per completion) | prefix
         # (the mean reward of the group's completions sharing the token's prefix: tokens the group shares

@@ -1,5 +1,5 @@
 """The optimiser chain the RL step and the warm-up SFT share: global-norm clipping, then Adam(W);
-and the transform that freezes parameters by name.
+and the transforms that freeze parameters by name or scale their rate.
 
 A utility leaf: imports jax and optax only, so every layer may import it.
 """
@@ -40,6 +40,19 @@ def zero_matching(pattern: str) -> optax.GradientTransformation:
         del params
         return jax.tree_util.tree_map_with_path(
             lambda path, g: jnp.zeros_like(g) if regex.search(param_name(path)) else g, updates), state
+
+    return optax.GradientTransformation(lambda params: optax.EmptyState(), update)
+
+
+def scale_matching(pattern: str, factor: float) -> optax.GradientTransformation:
+    """Multiply the update of every parameter whose dotted name (:func:`param_name`) ``re.search``-matches
+    ``pattern`` by ``factor``: placed after Adam, those parameters move at ``factor`` times the rate."""
+    regex = re.compile(pattern)
+
+    def update(updates, state, params=None):
+        del params
+        return jax.tree_util.tree_map_with_path(
+            lambda path, u: u * factor if regex.search(param_name(path)) else u, updates), state
 
     return optax.GradientTransformation(lambda params: optax.EmptyState(), update)
 

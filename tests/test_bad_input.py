@@ -55,6 +55,10 @@ def _cfg(**fields):
     (dict(train__mismatch_every=2, distill__enabled=True),
      r"^--config\.train\.mismatch_every=2: must be 1 with distill\.enabled"),
     (dict(train__frozen_params="self_attn("), r"^--config\.train\.frozen_params='self_attn\(': is not a regular expression"),
+    (dict(train__lr_scale_params="norm(", train__lr_scale=10.0),
+     r"^--config\.train\.lr_scale_params='norm\(': is not a regular expression"),
+    (dict(train__lr_scale_params="norm", train__lr_scale=0.0), r"^--config\.train\.lr_scale=0\.0: must be > 0"),
+    (dict(train__lr_scale=10.0), r"^--config\.train\.lr_scale=10\.0: scales no parameter"),
     (dict(rollout__engine="continuous", mesh__data=2), r"^--config\.rollout\.engine='continuous': runs on one device.*"
                                                        r"the mesh has 2"),
     (dict(task__dataset="rows.parquet"),
@@ -83,16 +87,17 @@ def test_inert_or_broken_fields_are_refused_naming_the_field(fields, match):
     assert "\n" not in str(err.value)
 
 
+@pytest.mark.parametrize("field", ["frozen_params", "lr_scale_params"])
 @pytest.mark.parametrize("pattern,what", [("attn_out", "no"), (".", "every")])
-def test_frozen_params_must_match_some_but_not_every_parameter(pattern, what):
+def test_parameter_regexes_must_match_some_but_not_every_parameter(field, pattern, what):
     from types import SimpleNamespace
 
     from sparrow_jax.data.registry import get_task
     from sparrow_jax.rl.trainer import make_loop
 
-    spec = parse_spec(_cfg(train__frozen_params=pattern))
+    spec = parse_spec(_cfg(**{f"train__{field}": pattern}))
     ctx = SimpleNamespace(schedule=None, task=get_task(spec.task.name), params=init_params(tiny_config(), seed=0))
-    with pytest.raises(ValueError, match=rf"train.frozen_params='{pattern}' matches {what} parameter of the model "
+    with pytest.raises(ValueError, match=rf"train.{field}='{pattern}' matches {what} parameter of the model "
                                          r"\(names like 'layers.0.input_layernorm.weight'"):
         make_loop(spec, ctx)
 

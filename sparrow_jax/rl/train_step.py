@@ -40,7 +40,7 @@ from sparrow_jax.models.config import Qwen3Config
 from sparrow_jax.models.lora import LoraConfig, with_lora
 from sparrow_jax.models.forward import PrefixKV, dense_hidden, dense_hidden_and_prefix_kv, sparse_hidden, unembedding
 from sparrow_jax.models.scoring import token_logprobs
-from sparrow_jax.optim import clipped_adam, zero_matching
+from sparrow_jax.optim import clipped_adam, scale_matching, zero_matching
 from sparrow_jax.rl.losses import agg_loss, grpo_loss, kl_penalty, tis_weights, tis_weights_and_keep
 
 
@@ -152,17 +152,20 @@ def tail_mask(batch: Batch, opts: StepOptions) -> jax.Array:
 
 
 def make_optimizer(learning_rate: float, max_grad_norm: float = 1.0, warmup_steps: int = 0,
-                   frozen: str = "") -> optax.GradientTransformation:
+                   frozen: str = "", scaled: str = "", scale: float = 1.0) -> optax.GradientTransformation:
     """The RL optimiser: global-norm clipping (off at ``max_grad_norm`` <= 0), then Adam at a constant
     rate; with ``warmup_steps`` > 0 the k-th update (from 1) runs at ``learning_rate * min(1, k /
     warmup_steps)``; with ``frozen`` (a regex) the parameters whose dotted names it matches get no
-    update (:func:`sparrow_jax.optim.zero_matching`). Both change the optimiser state's layout: a
-    checkpoint restores only into the same choice."""
+    update (:func:`sparrow_jax.optim.zero_matching`); with ``scaled`` (a regex) the parameters it
+    matches move at ``scale`` times the rate (:func:`sparrow_jax.optim.scale_matching`). Each changes
+    the optimiser state's layout: a checkpoint restores only into the same choice."""
     if warmup_steps > 0:
         optimizer = clipped_adam(lambda count: learning_rate * jnp.minimum(1.0, (count + 1) / warmup_steps),
                                  max_grad_norm)
     else:
         optimizer = clipped_adam(learning_rate, max_grad_norm)
+    if scaled:
+        optimizer = optax.chain(optimizer, scale_matching(scaled, scale))
     return optax.chain(zero_matching(frozen), optimizer) if frozen else optimizer
 
 

@@ -272,10 +272,9 @@ def make_loop(spec: RunSpec, ctx: RunContext) -> Loop:
         raise ValueError(f"train.reward_horizon_mask=True: task {ctx.task.name!r} defines no reward horizon "
                          "(tasks that do: recurrence_trace)")
     if tr.frozen_params:
-        frozen, names = names_matching(ctx.params, tr.frozen_params)
-        if not frozen or len(frozen) == len(names):
-            raise ValueError(f"train.frozen_params={tr.frozen_params!r} matches {'no' if not frozen else 'every'} "
-                             f"parameter of the model (names like {names[1]!r}, {names[-1]!r})")
+        _require_some_not_all(ctx.params, "train.frozen_params", tr.frozen_params)
+    if tr.lr_scale_params:
+        _require_some_not_all(ctx.params, "train.lr_scale_params", tr.lr_scale_params)
     max_len = max(len(ctx.encode(e)) for e in ctx.train_rows[:64]) + spec.rollout.max_new_tokens
     opts = step_options(tr, spec.rollout.temperature, bin_width, max_len)
     mesh = make_mesh(spec.mesh)
@@ -286,19 +285,29 @@ def make_loop(spec: RunSpec, ctx: RunContext) -> Loop:
     lora = (lora_config(d), _optimizer(d.learning_rate, max_grad_norm=0.0), distill) if d.enabled else (None,) * 3
     controller = (online_settings(spec.schedule, ctx.schedule, max_len, spec.calibration.tau)
                   if spec.schedule.kind == "online" else None)
-    return Loop(spec, ctx, mesh, _optimizer(tr.learning_rate, tr.max_grad_norm, tr.lr_warmup_steps, tr.frozen_params),
+    optimizer = _optimizer(tr.learning_rate, tr.max_grad_norm, tr.lr_warmup_steps, tr.frozen_params, tr.lr_scale_params,
+                           tr.lr_scale)
+    return Loop(spec, ctx, mesh, optimizer,
                 opts, *lora,
                 pool=reward_pool(ctx, spec.task.reward_workers, spec.task.reward_timeout_s), controller=controller,
                 ref_params=ref)
 
 
+def _require_some_not_all(params, field: str, pattern: str) -> None:
+    """A regex over parameter names that matches none of them or all of them is a mistake: name the field."""
+    matched, names = names_matching(params, pattern)
+    if not matched or len(matched) == len(names):
+        raise ValueError(f"{field}={pattern!r} matches {'no' if not matched else 'every'} "
+                         f"parameter of the model (names like {names[1]!r}, {names[-1]!r})")
+
+
 @functools.lru_cache(maxsize=None)
-def _optimizer(learning_rate: float, max_grad_norm: float, warmup_steps: int = 0,
-               frozen: str = "") -> optax.GradientTransformation:
+def _optimizer(learning_rate: float, max_grad_norm: float, warmup_steps: int = 0, frozen: str = "",
+               scaled: str = "", scale: float = 1.0) -> optax.GradientTransformation:
     """``make_optimizer``, one object per setting: the jitted steps take the optimiser as a static
     argument, so a loop built again in the same process (a resumed run, a study's next arm or seed)
     reuses their compiled programs instead of compiling them anew."""
-    return make_optimizer(learning_rate, max_grad_norm, warmup_steps, frozen)
+    return make_optimizer(learning_rate, max_grad_norm, warmup_steps, frozen, scaled, scale)
 
 
 def online_settings(s: ScheduleSpec, layout: SparsitySchedule, max_len: int, tau: float) -> ControllerSettings:

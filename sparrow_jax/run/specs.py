@@ -151,6 +151,8 @@ class TrainSpec:
     random_reward: bool  # the control arm: learn from coin flips with the batch's mean reward
     lr_warmup_steps: int = 0  # N: the k-th update runs at learning_rate * min(1, k / N) (0: constant from the first)
     frozen_params: str = ""  # regex over dotted parameter names (layers.0.self_attn.q_proj.kernel): no updates ("": none)
+    lr_scale_params: str = ""  # regex over dotted parameter names: these move at lr_scale times the rate ("": none)
+    lr_scale: float = 1.0
     horizon_groups: int = 0  # G > 0: the update runs in G row groups, each cut at its longest loss row (0: whole rows)
     mismatch_every: int = 1  # N: the sparse actor's exact acceptance statistics on every N-th step (TIS every step)
     adv_baseline: str = "group"  # group: the group's mean reward | prefix: the mean over the rows sharing a token's prefix
@@ -392,6 +394,10 @@ def validate(spec: RunSpec) -> None:
              "train.horizon_groups", tr.horizon_groups, f"times train.micro_batches={tr.micro_batches} must divide "
              "rollout.prompts_per_step * rollout.group_size")
     _require(_is_regex(tr.frozen_params), "train.frozen_params", tr.frozen_params, "is not a regular expression")
+    _require(_is_regex(tr.lr_scale_params), "train.lr_scale_params", tr.lr_scale_params, "is not a regular expression")
+    _require(tr.lr_scale > 0, "train.lr_scale", tr.lr_scale, "must be > 0")
+    _require(tr.lr_scale == 1.0 or bool(tr.lr_scale_params), "train.lr_scale", tr.lr_scale,
+             "scales no parameter: set train.lr_scale_params (a regex over parameter names)")
     _require(not tr.horizon_groups or tr.reward_horizon_mask, "train.horizon_groups", tr.horizon_groups,
              "cuts rows at their reward horizon: it needs train.reward_horizon_mask=True")
     _require(not tr.horizon_groups or (tr.ppo_epochs, tr.mini_batches) == (1, 1), "train.horizon_groups",
