@@ -20,23 +20,22 @@ curve, sampled reward, pooled and worst-step per-bin p5, generated tokens per ro
 predicted cost, median RL step time vs dense, and the paired rollout speedup of each sparse arm's
 final schedule measured after its first seed) and ``headline.png``.
 
-RL: 100 GRPO steps of 32 rollouts (8 prompts x 4) from 1024 training prompts at lr 5e-5, the loss
-ended at each completion's first wrong line (``train.reward_horizon_mask``: without it no setting
-tried learned, docs/results.md) and anchored to the warm-up by verl's low-variance KL at 0.5
-(``train.kl_coef``: without it the random-reward control's updates walk the policy off its sharp
-optimum); the dense policy validated densely every 25 steps on 32 held-out prompts x 4 samples;
-after training, every arm's final dense policy on 128 held-out prompts, paired
-(``study.final_eval_prompts``); the update in 4 row groups cut at the reward horizon
-(``train.horizon_groups``: the same gradient, 1.84x faster); the key table's 6 pages always kept
-(``schedule.reserved_first``) and the sparse actor's exact statistics on every 4th step
-(``train.mismatch_every``). Measured at commit d15684b (docs/results.md; 2 seeds, 96 min for the
-six arms on 2 cores with nothing else running, each arm's time in ``report.json`` under
-``wall_s``): dense rollouts raise the dense held-out reward by 0.031 +- 0.007 and the
-random-reward control changes it by -0.007 +- 0.010; tau = 0.86 (4 / 6 / 12 / 32 / 48 / 96 pages)
-ends 0.006 +- 0.005 below the dense arm with pooled p5 >= 0.869 in every bin, at 71% of the
-visible pages (rollouts 1.07x, RL step 1.09x dense); tau = 0.92 ends 0.006 +- 0.006 below (78% of
-the pages), tau = 0.75 0.016 +- 0.015 below (p5 0.71 in its worst bin), the online arm 0.028 +-
-0.007 below at 88% of the pages.
+RL: 100 GRPO steps of 32 rollouts (8 prompts x 4) from 1024 training prompts at lr 5e-5, the final
+norm at 1000x that rate (``train.lr_scale_params``: it scales every logit, and RL's gain here is
+mostly a sharper policy; at 1x the dense arm gained +0.031), the loss ended at each completion's
+first wrong line (``train.reward_horizon_mask``: without it no setting tried learned,
+docs/results.md) and anchored to the warm-up by verl's low-variance KL at 0.5 (``train.kl_coef``:
+without it the random-reward control's updates walk the policy off its sharp optimum); the dense
+policy validated densely every 25 steps on 32 held-out prompts x 4 samples; after training, every
+arm's final dense policy on 128 held-out prompts, paired (``study.final_eval_prompts``); the update
+in 4 row groups cut at the reward horizon (``train.horizon_groups``: the same gradient, 1.84x
+faster); the key table's 6 pages always kept (``schedule.reserved_first``) and the sparse actor's
+exact statistics on every 4th step (``train.mismatch_every``). Measured at commit bf7ed17
+(docs/results.md; 2 seeds, 102 min for the six arms on 2 cores by the study's ``wall_s``, each
+arm's time in ``report.json``): dense rollouts raise the dense held-out reward by 0.103 +- 0.009
+and the random-reward control changes it by -0.012 +- 0.009; every sparse arm lags, in the order
+of tau: 0.92 by 0.051 +- 0.010 (78% of the pages), 0.86 by 0.060 +- 0.010 (71%; pooled p5 0.830
+in its worst bin; rollouts 1.10x), 0.75 by 0.079 +- 0.019, the online arm by 0.075 +- 0.013 (89%).
 
 The warm-up below ships (sparrow_jax/sft/checkpoints/headline; ``--noshipped`` retrains it, ~40
 min on 2 cores): a 2200-step dense curriculum, then a 300-step refine on the task's rows whose loss
