@@ -182,7 +182,7 @@ def train_config() -> ConfigDict:
         # e.g. the final norm (^norm\.), which scales every logit, so RL can sharpen the policy at a rate
         # its noisy updates cannot walk the attention at (docs/results.md)
         lr_scale_params="",
-        lr_scale=1.0,
+        lr_scale=1.0,  # the multiple of learning_rate for the parameters lr_scale_params matches
         adv_mode="grpo",  # grpo (std-normalised) | drgrpo
         # each token's baseline: group (the group's mean reward, one advantage per completion) | prefix
         # (the mean reward of the group's completions sharing the token's prefix: tokens the group shares
