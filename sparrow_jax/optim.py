@@ -30,31 +30,30 @@ def names_matching(tree, pattern: str) -> tuple[list[str], list[str]]:
     return [n for n in names if regex.search(n)], names
 
 
-def zero_matching(pattern: str) -> optax.GradientTransformation:
-    """Zero the gradient of every parameter whose dotted name (:func:`param_name`) ``re.search``-matches
-    ``pattern``: placed before Adam, those parameters never move (Adam's moments of them stay 0, and
-    0 / (sqrt(0) + eps) = 0) and global-norm clipping sees only the others."""
+def _map_matching(pattern: str, fn) -> optax.GradientTransformation:
+    """A stateless transform applying ``fn`` to the update of every parameter whose dotted name
+    (:func:`param_name`) ``re.search``-matches ``pattern``; the others pass unchanged."""
     regex = re.compile(pattern)
 
     def update(updates, state, params=None):
         del params
         return jax.tree_util.tree_map_with_path(
-            lambda path, g: jnp.zeros_like(g) if regex.search(param_name(path)) else g, updates), state
+            lambda path, u: fn(u) if regex.search(param_name(path)) else u, updates), state
 
     return optax.GradientTransformation(lambda params: optax.EmptyState(), update)
+
+
+def zero_matching(pattern: str) -> optax.GradientTransformation:
+    """Zero the gradient of every parameter whose dotted name ``re.search``-matches ``pattern``:
+    placed before Adam, those parameters never move (Adam's moments of them stay 0, and
+    0 / (sqrt(0) + eps) = 0) and global-norm clipping sees only the others."""
+    return _map_matching(pattern, jnp.zeros_like)
 
 
 def scale_matching(pattern: str, factor: float) -> optax.GradientTransformation:
-    """Multiply the update of every parameter whose dotted name (:func:`param_name`) ``re.search``-matches
-    ``pattern`` by ``factor``: placed after Adam, those parameters move at ``factor`` times the rate."""
-    regex = re.compile(pattern)
-
-    def update(updates, state, params=None):
-        del params
-        return jax.tree_util.tree_map_with_path(
-            lambda path, u: u * factor if regex.search(param_name(path)) else u, updates), state
-
-    return optax.GradientTransformation(lambda params: optax.EmptyState(), update)
+    """Multiply the update of every parameter whose dotted name ``re.search``-matches ``pattern`` by
+    ``factor``: placed after Adam, those parameters move at ``factor`` times the rate."""
+    return _map_matching(pattern, lambda u: u * factor)
 
 
 def clipped_adam(learning_rate: optax.ScalarOrSchedule, max_grad_norm: float, weight_decay: float | None = None,
