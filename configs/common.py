@@ -164,6 +164,10 @@ def calibration_config() -> ConfigDict:
         # and validates again on fresh prompts, up to this many times (0: off)
         revalidate_rounds=0,
         allow_failed=False,  # train on a schedule whose validation failed (False: the run stops before RL)
+        # a budget must also keep the traces whole: per bin, among the rows whose loss reaches it, the share
+        # not broken there (loss ending before the completion: train.reward_horizon_mask's horizon) at least
+        # this times the largest budget's share (0: off, the paper's rule; tasks without a horizon: no effect)
+        min_survival=0.0,
     ))
 
 

@@ -59,6 +59,7 @@ def _cfg(**fields):
      r"^--config\.train\.lr_scale_params='norm\(': is not a regular expression"),
     (dict(train__lr_scale_params="norm", train__lr_scale=0.0), r"^--config\.train\.lr_scale=0\.0: must be > 0"),
     (dict(train__lr_scale=10.0), r"^--config\.train\.lr_scale=10\.0: scales no parameter"),
+    (dict(calibration__min_survival=1.5), r"^--config\.calibration\.min_survival=1\.5: must be in \[0, 1\]"),
     (dict(rollout__engine="continuous", mesh__data=2), r"^--config\.rollout\.engine='continuous': runs on one device.*"
                                                        r"the mesh has 2"),
     (dict(task__dataset="rows.parquet"),

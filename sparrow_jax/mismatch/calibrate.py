@@ -19,6 +19,15 @@ Conventions:
     budget). An entry with fewer than ``min_count`` tokens never counts as meeting tau.
   * A bin where no budget reaches tau gets the largest budget and is reported in
     ``flagged_bins`` (later bins then keep the largest budget too: non-decreasing).
+  * With ``min_survival`` > 0, a budget must also keep the sparse traces alive: among the rows
+    whose loss (tokens up to the reward horizon, ``horizon_mask``) reaches a bin, the share whose
+    loss does not end there before their completion does must be >= ``min_survival`` times the
+    largest budget's share. Why: on tasks whose answer breaks at one wrong token, the few tokens
+    that end traces are far below any percentile of all tokens (1.8% of the tokens on
+    recurrence_trace), so a schedule can hold p5 and still end most traces early. A cell seen by
+    fewer than ``MIN_SURVIVAL_ROWS`` rows never meets it; a bin whose largest budget has fewer
+    is not constrained. Conditioned on reaching the bin, the share does not depend on the
+    earlier bins' budgets, so a schedule's whole-trace survival is the product over its bins.
   * Every measurement reports ``scorer_logp_max_err``, the largest gap between the sampler's
     log-prob of a sampled token and the sparse scorer's: ~1e-5 when they agree. The scorer
     attends sparsely at prompt positions too, while the sampler prefills the prompt densely,
@@ -45,6 +54,36 @@ from sparrow_jax.rollout.schedule import SparsitySchedule
 # (rollout, index of its first row) -> [b, T] the tokens a tail counts (run.calibration: the reward horizon's)
 TokenMask = Callable[[Any, int], np.ndarray]
 DEFAULT_MIN_COUNT = 40  # tokens a bin needs before its 5th percentile is trusted
+MIN_SURVIVAL_ROWS = 16  # rows a (budget, bin) cell needs before its survival share counts: one row is <= 6% of it
+
+
+def horizon_survival(loss_mask: np.ndarray, completion_mask: np.ndarray, bin_width: int,
+                     n_bins: int) -> tuple[np.ndarray, np.ndarray]:
+    """Per position bin, how many rows' loss reaches it and how many end there early.
+
+    Args:
+      loss_mask, completion_mask: bool [B, T]; the loss's tokens (a prefix of each completion: up to
+        its reward horizon) and the completion's. Token ``t`` belongs to query position ``t - 1``.
+      n_bins: bins of ``bin_width`` query positions counted (positions past them are ignored).
+    Returns ``(reached, ended)``, int [n_bins]: rows with a loss token in the bin (a row without loss
+    tokens reaches its first completion token's bin), and those among them whose last loss token is
+    in the bin and comes before their completion's last token (a trace broken there).
+    """
+    loss, comp = np.asarray(loss_mask, bool), np.asarray(completion_mask, bool)
+    if loss.shape != comp.shape or loss.ndim != 2:
+        raise ValueError(f"loss_mask and completion_mask: expected one [B, T] shape, got {loss.shape} and {comp.shape}")
+    reached, ended = np.zeros(n_bins, np.int64), np.zeros(n_bins, np.int64)
+    for row_loss, row_comp in zip(loss, comp):
+        completion = np.flatnonzero(row_comp)
+        if completion.size == 0:
+            continue
+        lost = np.flatnonzero(row_loss & row_comp)
+        first, last = (lost[0], lost[-1]) if lost.size else (completion[0], completion[0] - 1)
+        lo, hi = (first - 1) // bin_width, (max(first, last) - 1) // bin_width
+        reached[lo:min(hi, n_bins - 1) + 1] += 1
+        if last < completion[-1] and hi < n_bins:
+            ended[hi] += 1
+    return reached, ended
 
 
 def _scoring_temperature(sampling: SamplingParams) -> float:
@@ -54,7 +93,8 @@ def _scoring_temperature(sampling: SamplingParams) -> float:
 def measure_tail(config: Qwen3Config, params: Params, prompts: Sequence[Sequence[int]],
                  schedule: SparsitySchedule, sampling: SamplingParams, samples_per_prompt: int,
                  key: jax.Array, percentile: float = 5.0, pad_id: int = 0, batch_size: int = 64,
-                 sparse_params: Params | None = None, token_mask: TokenMask | None = None) -> dict[str, Any]:
+                 sparse_params: Params | None = None, token_mask: TokenMask | None = None,
+                 horizon_mask: TokenMask | None = None) -> dict[str, Any]:
     """Sparse rollouts under ``schedule`` -> per-bin tail of alpha over completion tokens.
 
     Args:
@@ -65,8 +105,11 @@ def measure_tail(config: Qwen3Config, params: Params, prompts: Sequence[Sequence
       token_mask: ``token_mask(rollout, first_row)`` -> [b, T] the tokens of the ``b`` rows from
         ``first_row`` on (rows are ``prompts`` in order, each repeated ``samples_per_prompt``
         times) that the tail counts, within their completions; None counts every completion token.
+      horizon_mask: as ``token_mask``, each row's tokens up to its reward horizon, for the
+        survival counts (:func:`horizon_survival`); None: not counted.
     Returns dict: ``bin_starts`` int [n], ``p`` (percentile) float [n], ``mean`` float [n],
-    ``count`` int [n] over the non-empty bins; ``tokens`` (completion tokens), ``finished``
+    ``count`` int [n] over the non-empty bins; ``reached`` and ``ended`` int [bins from 0] (None
+    without ``horizon_mask``); ``tokens`` (completion tokens), ``finished``
     (share of rows that stopped), ``scorer_logp_max_err`` (max |sampler log-prob - scorer
     sparse log-prob| over completion tokens; NaN when the sampler truncates or is greedy,
     where the two need not agree), ``seconds``.
@@ -81,6 +124,8 @@ def measure_tail(config: Qwen3Config, params: Params, prompts: Sequence[Sequence
     temperature = _scoring_temperature(sampling)
     comparable = sampling.temperature > 0 and sampling.top_k == 0 and sampling.top_p >= 1.0
     err, finished, t0 = 0.0, [], time.perf_counter()
+    n_bins = -(-(max(map(len, rows)) + sampling.max_new_tokens) // schedule.bin_width)
+    reached, ended = np.zeros(n_bins, np.int64), np.zeros(n_bins, np.int64)
     for i in range(0, len(rows), batch_size):
         batch = rows[i:i + batch_size]
         # The same keys for every schedule (common random numbers): budgets differ less by chance.
@@ -92,6 +137,9 @@ def measure_tail(config: Qwen3Config, params: Params, prompts: Sequence[Sequence
         alpha = np.asarray(stats["alpha"])
         counted = out.completion_mask if token_mask is None else out.completion_mask & (token_mask(out, i) > 0)
         acc.update(alpha, np.broadcast_to(query_positions(alpha.shape[1]), alpha.shape), counted)
+        if horizon_mask is not None:
+            r, e = horizon_survival(horizon_mask(out, i) > 0, out.completion_mask, schedule.bin_width, n_bins)
+            reached, ended = reached + r, ended + e
         if comparable and out.completion_mask.any():
             diff = np.abs(np.asarray(stats["logp_sparse"]) - out.logprobs)[out.completion_mask]
             err = max(err, float(diff.max()))
@@ -99,6 +147,7 @@ def measure_tail(config: Qwen3Config, params: Params, prompts: Sequence[Sequence
     res = acc.result()
     return dict(bin_starts=res["bin_starts"], p=res["percentiles"][float(percentile)], mean=res["mean_by_bin"],
                 count=res["counts"], tokens=int(acc.num_tokens),
+                reached=None if horizon_mask is None else reached, ended=None if horizon_mask is None else ended,
                 finished=float(np.mean(np.concatenate(finished))),
                 scorer_logp_max_err=err if comparable else math.nan, seconds=time.perf_counter() - t0)
 
@@ -119,11 +168,15 @@ def _check_budgets(budgets: Sequence[int]) -> list[int]:
 
 def derive_topk(config: Qwen3Config, budgets: Sequence[int], p5: np.ndarray, count: np.ndarray, tau: float,
                 schedule_base: SparsitySchedule, *, min_count: int = DEFAULT_MIN_COUNT, num_samples: int = 8,
-                prompt_len: int = 1, gen_len: int = 1, hardware: str = "cpu") -> dict[str, Any]:
+                prompt_len: int = 1, gen_len: int = 1, hardware: str = "cpu", survival: np.ndarray | None = None,
+                min_survival: float = 0.0) -> dict[str, Any]:
     """Cheapest non-decreasing top-k per bin with ``p5 >= tau`` (see the module docstring).
 
     Args:
       budgets: K increasing top-k values; p5, count: [K, n_bins] (NaN / 0 where no tokens).
+      survival: [K, n_bins] share of the rows reaching a bin whose trace it does not break (NaN
+        where too few rows); with ``min_survival`` > 0 a cell must also hold ``survival >=
+        min_survival * survival[-1]`` wherever the largest budget's share is measured.
       num_samples, prompt_len, gen_len, hardware: the rollout the cost model prices (decode
         steps at positions ``prompt_len .. prompt_len + gen_len - 2``).
     Returns dict: ``topk`` list [n_bins], ``flagged_bins`` (no budget met tau),
@@ -137,6 +190,16 @@ def derive_topk(config: Qwen3Config, budgets: Sequence[int], p5: np.ndarray, cou
         raise ValueError(f"tau: expected a value in (0, 1], got {tau}")
     reliable = count >= min_count
     feasible = reliable & (np.nan_to_num(p5, nan=-1.0) >= tau)
+    if not 0.0 <= min_survival <= 1.0:
+        raise ValueError(f"min_survival: expected a value in [0, 1], got {min_survival}")
+    if min_survival > 0:
+        if survival is None or np.shape(survival) != p5.shape:
+            raise ValueError(f"min_survival > 0 needs survival of shape {p5.shape}, got "
+                             f"{None if survival is None else np.shape(survival)}")
+        survival = np.asarray(survival, np.float64)
+        reference = survival[-1]
+        keeps = np.nan_to_num(survival, nan=-1.0) >= min_survival * reference
+        feasible &= np.where(np.isnan(reference)[None, :], True, keeps)
     measured = reliable.any(axis=0)
     flagged = [b for b in range(p5.shape[1]) if measured[b] and not feasible[:, b].any()]
     for b in flagged:
@@ -164,7 +227,8 @@ def calibrate(config: Qwen3Config, params: Params, prompts: Sequence[Sequence[in
               tau: float, schedule_base: SparsitySchedule, sampling: SamplingParams, samples_per_prompt: int,
               key: jax.Array, percentile: float = 5.0, *, min_count: int = DEFAULT_MIN_COUNT,
               hardware: str = "cpu", pad_id: int = 0, batch_size: int = 64, progress: bool = False,
-              sparse_params: Params | None = None, token_mask: TokenMask | None = None) -> dict[str, Any]:
+              sparse_params: Params | None = None, token_mask: TokenMask | None = None,
+              min_survival: float = 0.0, horizon_mask: TokenMask | None = None) -> dict[str, Any]:
     """Measure the budget x bin tail table and derive the calibrated schedule.
 
     Args:
@@ -177,22 +241,28 @@ def calibrate(config: Qwen3Config, params: Params, prompts: Sequence[Sequence[in
       percentile: the tail percentile (5 = the paper's p5).
       min_count: completion tokens a (budget, bin) entry needs to count.
       token_mask: the tokens the tail counts (:func:`measure_tail`); None: every completion token.
+      min_survival, horizon_mask: the survival rule of the module docstring (0: off) and each row's
+        tokens up to its reward horizon (:func:`measure_tail`), needed when ``min_survival`` > 0.
     Returns dict:
       ``schedule``: the SparsitySchedule (``meta``: tau, percentile, min_count, table,
         flagged/inherited bins);
       ``table``: dict(budgets [K], bin_width, bin_starts [n], p5 / mean [K][n] (NaN: no
-        tokens), count [K][n], percentile);
+        tokens), count [K][n], percentile; with ``horizon_mask``, reached [K][n] and survival
+        [K][n] (None: under ``MIN_SURVIVAL_ROWS`` rows));
       ``flagged_bins``, ``inherited_bins``, ``cost_s``, ``per_budget`` (tokens, finished,
         scorer_logp_max_err, seconds per budget).
     """
     ks = _check_budgets(budgets)
     if not 0.0 < percentile < 100.0:
         raise ValueError(f"percentile: expected a value in (0, 100), got {percentile}")
+    if min_survival > 0 and horizon_mask is None:
+        raise ValueError("min_survival > 0 needs horizon_mask (each row's tokens up to its reward horizon)")
     measured = {}
     for k in ks:
         measured[k] = measure_tail(config, params, prompts, fixed_schedule(schedule_base, k), sampling,
                                    samples_per_prompt, key, percentile, pad_id=pad_id, batch_size=batch_size,
-                                   sparse_params=sparse_params, token_mask=token_mask)
+                                   sparse_params=sparse_params, token_mask=token_mask,
+                                   horizon_mask=horizon_mask)
         if progress:
             m = measured[k]
             print(f"[calibrate] top-k {k}: {m['tokens']} tokens, min p{percentile:g} "
@@ -205,15 +275,25 @@ def calibrate(config: Qwen3Config, params: Params, prompts: Sequence[Sequence[in
     for i, k in enumerate(ks):
         b = measured[k]["bin_starts"] // schedule_base.bin_width
         p5[i, b], mean[i, b], count[i, b] = measured[k]["p"], measured[k]["mean"], measured[k]["count"]
+    survival, reached = None, None
+    if horizon_mask is not None:
+        reached = np.stack([measured[k]["reached"][:n_bins] for k in ks])
+        ended = np.stack([measured[k]["ended"][:n_bins] for k in ks])
+        survival = np.where(reached >= MIN_SURVIVAL_ROWS, 1.0 - ended / np.maximum(reached, 1), np.nan)
     lens = [len(p) for p in prompts]
     derived = derive_topk(config, ks, p5, count, tau, schedule_base, min_count=min_count,
                           num_samples=len(prompts) * samples_per_prompt, prompt_len=min(lens),
-                          gen_len=max(lens) - min(lens) + sampling.max_new_tokens, hardware=hardware)
+                          gen_len=max(lens) - min(lens) + sampling.max_new_tokens, hardware=hardware,
+                          survival=survival, min_survival=min_survival)
     table = dict(budgets=ks, bin_width=schedule_base.bin_width,
                  bin_starts=[b * schedule_base.bin_width for b in range(n_bins)], percentile=float(percentile),
                  p5=_nan_to_none(p5), mean=_nan_to_none(mean), count=count.tolist())
+    if survival is not None:
+        table.update(reached=reached.tolist(), survival=_nan_to_none(survival))
     meta = dict(tau=float(tau), percentile=float(percentile), min_count=int(min_count), table=table,
                 flagged_bins=derived["flagged_bins"], inherited_bins=derived["inherited_bins"])
+    if min_survival > 0:
+        meta["min_survival"] = float(min_survival)
     schedule = dataclasses.replace(schedule_base, topk=tuple(derived["topk"]), name=f"calibrated-tau{tau:g}",
                                    meta=meta)
     per_budget = {str(k): {f: measured[k][f] for f in ("tokens", "finished", "scorer_logp_max_err", "seconds")}

@@ -82,8 +82,12 @@ def tail_token_mask(spec: RunSpec, ctx: RunContext, examples: list[dict]) -> Opt
     """The tokens calibration's tail counts, as the RL step's statistics do (``train.tail_tokens``):
     None (every completion token), or each row's tokens up to its reward horizon (``"loss"``); the
     rows are ``examples`` in order, each ``calibration.samples_per_prompt`` times."""
-    if spec.train.tail_tokens != "loss":
-        return None
+    return horizon_token_mask(spec, ctx, examples) if spec.train.tail_tokens == "loss" else None
+
+
+def horizon_token_mask(spec: RunSpec, ctx: RunContext, examples: list[dict]) -> TokenMask:
+    """Each row's completion tokens up to its task's reward horizon; the rows are ``examples`` in
+    order, each ``calibration.samples_per_prompt`` times."""
     rows = [e for e in examples for _ in range(spec.calibration.samples_per_prompt)]
     return lambda rollout, first: reward_horizon_mask(ctx, rollout, rows[first:first + len(rollout.lengths)],
                                                       rollout.tokens.shape[1])
@@ -120,7 +124,8 @@ def calibrate_run(spec: RunSpec, ctx: Optional[RunContext] = None, progress: boo
     result = calibrate(config, ctx.params, prompts, cal.budgets, cal.tau, base, ctx.sampling,
                        cal.samples_per_prompt, jax.random.fold_in(key, 1), cal.percentile,
                        min_count=cal.min_count, pad_id=ctx.tokenizer.pad_id, progress=progress,
-                       token_mask=tail_token_mask(spec, ctx, examples))
+                       token_mask=tail_token_mask(spec, ctx, examples), min_survival=cal.min_survival,
+                       horizon_mask=horizon_token_mask(spec, ctx, examples) if cal.min_survival > 0 else None)
     check = lambda sched, rows, rows_examples, round_: validate(  # noqa: E731
         config, ctx.params, rows, sched, ctx.sampling, cal.samples_per_prompt, jax.random.fold_in(key, 2 + round_),
         cal.percentile, tau=cal.tau, min_count=cal.min_count, pad_id=ctx.tokenizer.pad_id,
@@ -169,7 +174,7 @@ def _write_outputs(spec: RunSpec, config, base, result: dict, validation: dict, 
     plot_p5_by_position(series, cal.tau, paths["png"],
                         title=f"p{cal.percentile:g} of acceptance rate by position ({spec.model.source} model)")
     atomic_write_json(paths["table_path"], dict(
-        tau=cal.tau, min_count=cal.min_count, model_source=spec.model.source, tail_tokens=spec.train.tail_tokens,
+        tau=cal.tau, min_count=cal.min_count, min_survival=cal.min_survival, model_source=spec.model.source, tail_tokens=spec.train.tail_tokens,
         num_params=config.num_params(), **table, schedule_topk=list(schedule.topk),
         flagged_bins=result["flagged_bins"], inherited_bins=result["inherited_bins"],
         per_budget=result["per_budget"], validation=validation, raised=result.get("raised", []),

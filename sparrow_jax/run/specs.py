@@ -118,6 +118,7 @@ class CalibrationSpec:
     spread_prompts: bool  # prompt lengths spread up to task.context_tokens (False: all at it)
     allow_failed: bool  # RL may use a schedule whose validation failed (else the run stops before RL)
     revalidate_rounds: int = 0  # failed bins raised to the next budget and validated again, this many times
+    min_survival: float = 0.0  # a budget keeps >= this share of the largest budget's unbroken traces per bin (0: off)
 
 
 @_spec
@@ -416,6 +417,8 @@ def validate(spec: RunSpec) -> None:
     _require(tr.overlong_buffer < r.max_new_tokens, "train.overlong_buffer", tr.overlong_buffer,
              "must be < rollout.max_new_tokens")
     _require(0 < spec.calibration.tau < 1, "calibration.tau", spec.calibration.tau, "must be in (0, 1)")
+    _require(0 <= spec.calibration.min_survival <= 1, "calibration.min_survival", spec.calibration.min_survival,
+             "must be in [0, 1] (0: off)")
     _require(not spec.distill.enabled or s.kind != "dense", "distill.enabled", spec.distill.enabled,
              "DistillSparse needs sparse rollouts (schedule.kind != 'dense')")
     _require(bool(spec.distill.switch_topk) == bool(spec.distill.switch_every), "distill.switch_every",
