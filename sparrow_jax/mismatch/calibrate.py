@@ -26,8 +26,9 @@ Conventions:
     that end traces are far below any percentile of all tokens (1.8% of the tokens on
     recurrence_trace), so a schedule can hold p5 and still end most traces early. A cell seen by
     fewer than ``MIN_SURVIVAL_ROWS`` rows never meets it; a bin whose largest budget has fewer
-    is not constrained. Conditioned on reaching the bin, the share does not depend on the
-    earlier bins' budgets, so a schedule's whole-trace survival is the product over its bins.
+    is not constrained. Conditioned on reaching the bin, the share depends mostly on the bin's own
+    budget, so a schedule's whole-trace survival is roughly the product of its bins' shares. The
+    validation on fresh prompts checks p5 only.
   * Every measurement reports ``scorer_logp_max_err``, the largest gap between the sampler's
     log-prob of a sampled token and the sparse scorer's: ~1e-5 when they agree. The scorer
     attends sparsely at prompt positions too, while the sampler prefills the prompt densely,
