@@ -30,22 +30,22 @@ policy validated densely every 25 steps on 32 held-out prompts x 4 samples; afte
 arm's final dense policy on 128 held-out prompts, paired (``study.final_eval_prompts``); the update
 in 4 row groups cut at the reward horizon (``train.horizon_groups``: the same gradient, 1.84x
 faster); the key table's 6 pages always kept (``schedule.reserved_first``) and the sparse actor's
-exact statistics on every 4th step (``train.mismatch_every``). Measured at commit bf7ed17
-(docs/results.md; 2 seeds, 102 min for the six arms on 2 cores by the study's ``wall_s``, each
-arm's time in ``report.json``): dense rollouts raise the dense held-out reward by 0.103 +- 0.009
-and the random-reward control changes it by -0.012 +- 0.009; every sparse arm lags, in the order
-of tau: 0.92 by 0.051 +- 0.010 (78% of the pages), 0.86 by 0.060 +- 0.010 (71%; pooled p5 0.830
-in its worst bin; rollouts 1.10x), 0.75 by 0.079 +- 0.019, the online arm by 0.075 +- 0.013 (89%).
+exact statistics on every 4th step (``train.mismatch_every``); each calibrated schedule also keeps
+>= 95% of the dense traces unbroken in every bin (``calibration.min_survival``). Measured at commit
+ba02069 (docs/results.md; 2 seeds, 108 min for the six arms on 2 cores by the study's ``wall_s``,
+each arm's time in ``report.json``): dense rollouts raise the dense held-out reward by 0.103 +-
+0.009 and the random-reward control changes it by -0.012 +- 0.009; the calibrated arms lag dense by
+0.036 +- 0.015 (tau = 0.86: 72% of the pages, pooled p5 >= 0.864 in every bin, rollouts 1.26x),
+0.026 +- 0.013 (0.75) and 0.022 +- 0.012 (0.92), the online arm by 0.075 +- 0.013 (89%). With p5
+alone (``--config.calibration.min_survival=0``, commit bf7ed17) they lagged by 0.060 / 0.079 / 0.051.
 
 The warm-up below ships (sparrow_jax/sft/checkpoints/headline; ``--noshipped`` retrains it, ~40
 min on 2 cores): a 2200-step dense curriculum, then a 300-step refine on the task's rows whose loss
 adds the sparse actor's NLL (every layer sparse, 8 pages). Dense greedy reward on 32 held-out
 prompts 0.96 / 0.82 / 0.57 at 60 / 120 / 240 lines; sampled (temperature 1, 4 per prompt) 0.26 at
-the RL length. Calibrated at tau = 0.86 with every layer sparse, the table kept and revalidated,
-the schedule selects 4 / 6 / 12 / 32 / 48 / 96 pages (besides the 6 kept and the last 2) in the
-bins from 0 / 256 / ... / 1280 after two raises; on its last fresh prompts it still misses tau -
-0.02 in the bin from 512 (0.836; ``calibration.allow_failed`` trains on it); over the RL run its
-pooled p5 there is 0.879 (0.869 or more in every bin). Arms that have only the first page kept, as before d15684b:
+the RL length. Calibrated at tau = 0.86 with every layer sparse, the table kept, and the survival
+rule, the schedule selects 6 / 12 / 24 / 24 / 24 / 32 pages (besides the 6 kept and the last 2)
+in the bins from 0 / 256 / ... / 1280 and passes validation on fresh prompts (p5 0.843 or more). Arms that have only the first page kept, as before d15684b:
 ``--config.schedule.reserved_first=1`` (docs/results.md).
 """
 from configs.common import study_config
