@@ -168,6 +168,9 @@ def calibration_config() -> ConfigDict:
         # not broken there (loss ending before the completion: train.reward_horizon_mask's horizon) at least
         # this times the largest budget's share (0: off, the paper's rule; tasks without a horizon: no effect)
         min_survival=0.0,
+        # that rule's bins too few rows reach (< 16 at the largest budget): free (p5 alone) | largest (the
+        # largest budget: their survival is unknown)
+        survival_unmeasured="free",
     ))
 
 

@@ -60,6 +60,8 @@ def _cfg(**fields):
     (dict(train__lr_scale_params="norm", train__lr_scale=0.0), r"^--config\.train\.lr_scale=0\.0: must be > 0"),
     (dict(train__lr_scale=10.0), r"^--config\.train\.lr_scale=10\.0: scales no parameter"),
     (dict(calibration__min_survival=1.5), r"^--config\.calibration\.min_survival=1\.5: must be in \[0, 1\]"),
+    (dict(calibration__survival_unmeasured="dense"),
+     r"^--config\.calibration\.survival_unmeasured='dense': must be one of \('free', 'largest'\)"),
     (dict(rollout__engine="continuous", mesh__data=2), r"^--config\.rollout\.engine='continuous': runs on one device.*"
                                                        r"the mesh has 2"),
     (dict(task__dataset="rows.parquet"),

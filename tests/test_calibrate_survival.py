@@ -62,11 +62,12 @@ def test_horizon_survival_matches_a_token_walk():
         C.horizon_survival(one_loss, one_comp[:, :10], 8, 4)
 
 
-def _derive(survival, min_survival, p5=None):
+def _derive(survival, min_survival, p5=None, unmeasured="free"):
     survival = np.array(survival, float)
     p5 = np.full(survival.shape, 0.99) if p5 is None else np.array(p5, float)
     return C.derive_topk(CFG, (1, 2, 4), p5, np.full(p5.shape, 50), 0.86, BASE, min_count=10, num_samples=4,
-                         prompt_len=8, gen_len=4 * 64, survival=survival, min_survival=min_survival)
+                         prompt_len=8, gen_len=4 * 64, survival=survival, min_survival=min_survival,
+                         survival_unmeasured=unmeasured)
 
 
 def test_survival_rule_raises_budgets_that_break_traces():
@@ -78,6 +79,9 @@ def test_survival_rule_raises_budgets_that_break_traces():
     assert _derive(survival, 0.0)["topk"] == [1, 1, 1, 1]  # off: p5 alone
     assert _derive(survival, 0.9)["topk"] == [1, 2, 4, 4]  # 0.90 >= 0.9 * 0.95; 0.70 < 0.9 * 0.90
     assert _derive(survival, 0.5)["topk"] == [1, 1, 2, 2]  # bin 2's top-k 1: too few rows (NaN) never meets it
+    # a bin too few rows reach at the largest budget: the largest budget when its survival is unknown
+    assert _derive(survival, 0.9, unmeasured="largest")["topk"] == [1, 2, 4, 4]
+    assert _derive(survival, 0.5, unmeasured="largest")["topk"] == [1, 1, 2, 4]
     # the rule adds to p5: a budget that keeps traces but misses tau stays out
     p5 = [[0.99, 0.99, 0.99, 0.99], [0.99, 0.99, 0.80, 0.99], [0.99, 0.99, 0.99, 0.99]]
     assert _derive(survival, 0.5, p5)["topk"] == [1, 1, 4, 4]
@@ -86,6 +90,8 @@ def test_survival_rule_raises_budgets_that_break_traces():
 def test_survival_rule_rejects_bad_input():
     with pytest.raises(ValueError, match="min_survival: expected a value in \\[0, 1\\]"):
         _derive([[1.0]] * 3, 1.5)
+    with pytest.raises(ValueError, match="survival_unmeasured: expected one of"):
+        _derive([[1.0]] * 3, 0.9, unmeasured="dense")
     with pytest.raises(ValueError, match="needs survival of shape"):
         C.derive_topk(CFG, (1, 2, 4), np.full((3, 1), 0.99), np.full((3, 1), 50), 0.86, BASE, min_count=10,
                       min_survival=0.9)

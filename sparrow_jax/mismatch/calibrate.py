@@ -26,7 +26,7 @@ Conventions:
     that end traces are far below any percentile of all tokens (1.8% of the tokens on
     recurrence_trace), so a schedule can hold p5 and still end most traces early. A cell seen by
     fewer than ``MIN_SURVIVAL_ROWS`` rows never meets it; a bin whose largest budget has fewer
-    is not constrained. Conditioned on reaching the bin, the share depends mostly on the bin's own
+    is not constrained (``survival_unmeasured="free"``) or gets the largest budget ("largest"). Conditioned on reaching the bin, the share depends mostly on the bin's own
     budget, so a schedule's whole-trace survival is roughly the product of its bins' shares. The
     validation on fresh prompts checks p5 only.
   * Every measurement reports ``scorer_logp_max_err``, the largest gap between the sampler's
@@ -55,6 +55,7 @@ from sparrow_jax.rollout.schedule import SparsitySchedule
 # (rollout, index of its first row) -> [b, T] the tokens a tail counts (run.calibration: the reward horizon's)
 TokenMask = Callable[[Any, int], np.ndarray]
 DEFAULT_MIN_COUNT = 40  # tokens a bin needs before its 5th percentile is trusted
+SURVIVAL_UNMEASURED = ("free", "largest")  # a bin too few rows reach: p5 alone, or the largest budget
 MIN_SURVIVAL_ROWS = 16  # rows a (budget, bin) cell needs before its survival share counts: one row is <= 6% of it
 
 
@@ -170,7 +171,7 @@ def _check_budgets(budgets: Sequence[int]) -> list[int]:
 def derive_topk(config: Qwen3Config, budgets: Sequence[int], p5: np.ndarray, count: np.ndarray, tau: float,
                 schedule_base: SparsitySchedule, *, min_count: int = DEFAULT_MIN_COUNT, num_samples: int = 8,
                 prompt_len: int = 1, gen_len: int = 1, hardware: str = "cpu", survival: np.ndarray | None = None,
-                min_survival: float = 0.0) -> dict[str, Any]:
+                min_survival: float = 0.0, survival_unmeasured: str = "free") -> dict[str, Any]:
     """Cheapest non-decreasing top-k per bin with ``p5 >= tau`` (see the module docstring).
 
     Args:
@@ -178,6 +179,8 @@ def derive_topk(config: Qwen3Config, budgets: Sequence[int], p5: np.ndarray, cou
       survival: [K, n_bins] share of the rows reaching a bin whose trace it does not break (NaN
         where too few rows); with ``min_survival`` > 0 a cell must also hold ``survival >=
         min_survival * survival[-1]`` wherever the largest budget's share is measured.
+      survival_unmeasured: where it is not (too few rows reach the bin), "free" leaves the bin to
+        p5 alone and "largest" gives it the largest budget (its traces' survival is unknown).
       num_samples, prompt_len, gen_len, hardware: the rollout the cost model prices (decode
         steps at positions ``prompt_len .. prompt_len + gen_len - 2``).
     Returns dict: ``topk`` list [n_bins], ``flagged_bins`` (no budget met tau),
@@ -200,7 +203,10 @@ def derive_topk(config: Qwen3Config, budgets: Sequence[int], p5: np.ndarray, cou
         survival = np.asarray(survival, np.float64)
         reference = survival[-1]
         keeps = np.nan_to_num(survival, nan=-1.0) >= min_survival * reference
-        feasible &= np.where(np.isnan(reference)[None, :], True, keeps)
+        if survival_unmeasured not in SURVIVAL_UNMEASURED:
+            raise ValueError(f"survival_unmeasured: expected one of {SURVIVAL_UNMEASURED}, got {survival_unmeasured!r}")
+        unknown = np.arange(len(ks))[:, None] == len(ks) - 1 if survival_unmeasured == "largest" else True
+        feasible &= np.where(np.isnan(reference)[None, :], unknown, keeps)
     measured = reliable.any(axis=0)
     flagged = [b for b in range(p5.shape[1]) if measured[b] and not feasible[:, b].any()]
     for b in flagged:
@@ -229,7 +235,8 @@ def calibrate(config: Qwen3Config, params: Params, prompts: Sequence[Sequence[in
               key: jax.Array, percentile: float = 5.0, *, min_count: int = DEFAULT_MIN_COUNT,
               hardware: str = "cpu", pad_id: int = 0, batch_size: int = 64, progress: bool = False,
               sparse_params: Params | None = None, token_mask: TokenMask | None = None,
-              min_survival: float = 0.0, horizon_mask: TokenMask | None = None) -> dict[str, Any]:
+              min_survival: float = 0.0, horizon_mask: TokenMask | None = None,
+              survival_unmeasured: str = "free") -> dict[str, Any]:
     """Measure the budget x bin tail table and derive the calibrated schedule.
 
     Args:
@@ -243,7 +250,8 @@ def calibrate(config: Qwen3Config, params: Params, prompts: Sequence[Sequence[in
       min_count: completion tokens a (budget, bin) entry needs to count.
       token_mask: the tokens the tail counts (:func:`measure_tail`); None: every completion token.
       min_survival, horizon_mask: the survival rule of the module docstring (0: off) and each row's
-        tokens up to its reward horizon (:func:`measure_tail`), needed when ``min_survival`` > 0.
+        tokens up to its reward horizon (:func:`measure_tail`), needed when ``min_survival`` > 0;
+        survival_unmeasured: the rule's bins that too few rows reach (:func:`derive_topk`).
     Returns dict:
       ``schedule``: the SparsitySchedule (``meta``: tau, percentile, min_count, table,
         flagged/inherited bins);
@@ -285,7 +293,7 @@ def calibrate(config: Qwen3Config, params: Params, prompts: Sequence[Sequence[in
     derived = derive_topk(config, ks, p5, count, tau, schedule_base, min_count=min_count,
                           num_samples=len(prompts) * samples_per_prompt, prompt_len=min(lens),
                           gen_len=max(lens) - min(lens) + sampling.max_new_tokens, hardware=hardware,
-                          survival=survival, min_survival=min_survival)
+                          survival=survival, min_survival=min_survival, survival_unmeasured=survival_unmeasured)
     table = dict(budgets=ks, bin_width=schedule_base.bin_width,
                  bin_starts=[b * schedule_base.bin_width for b in range(n_bins)], percentile=float(percentile),
                  p5=_nan_to_none(p5), mean=_nan_to_none(mean), count=count.tolist())
@@ -294,7 +302,7 @@ def calibrate(config: Qwen3Config, params: Params, prompts: Sequence[Sequence[in
     meta = dict(tau=float(tau), percentile=float(percentile), min_count=int(min_count), table=table,
                 flagged_bins=derived["flagged_bins"], inherited_bins=derived["inherited_bins"])
     if min_survival > 0:
-        meta["min_survival"] = float(min_survival)
+        meta.update(min_survival=float(min_survival), survival_unmeasured=survival_unmeasured)
     schedule = dataclasses.replace(schedule_base, topk=tuple(derived["topk"]), name=f"calibrated-tau{tau:g}",
                                    meta=meta)
     per_budget = {str(k): {f: measured[k][f] for f in ("tokens", "finished", "scorer_logp_max_err", "seconds")}

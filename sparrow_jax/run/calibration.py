@@ -125,7 +125,8 @@ def calibrate_run(spec: RunSpec, ctx: Optional[RunContext] = None, progress: boo
                        cal.samples_per_prompt, jax.random.fold_in(key, 1), cal.percentile,
                        min_count=cal.min_count, pad_id=ctx.tokenizer.pad_id, progress=progress,
                        token_mask=tail_token_mask(spec, ctx, examples), min_survival=cal.min_survival,
-                       horizon_mask=horizon_token_mask(spec, ctx, examples) if cal.min_survival > 0 else None)
+                       horizon_mask=horizon_token_mask(spec, ctx, examples) if cal.min_survival > 0 else None,
+                       survival_unmeasured=cal.survival_unmeasured)
     check = lambda sched, rows, rows_examples, round_: validate(  # noqa: E731
         config, ctx.params, rows, sched, ctx.sampling, cal.samples_per_prompt, jax.random.fold_in(key, 2 + round_),
         cal.percentile, tau=cal.tau, min_count=cal.min_count, pad_id=ctx.tokenizer.pad_id,

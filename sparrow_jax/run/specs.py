@@ -18,6 +18,7 @@ from typing import Any, Optional
 from ml_collections import ConfigDict
 
 from sparrow_jax.io.presets import paper_presets, preset_layout
+from sparrow_jax.mismatch.calibrate import SURVIVAL_UNMEASURED
 
 
 class ConfigError(ValueError):
@@ -119,6 +120,7 @@ class CalibrationSpec:
     allow_failed: bool  # RL may use a schedule whose validation failed (else the run stops before RL)
     revalidate_rounds: int = 0  # failed bins raised to the next budget and validated again, this many times
     min_survival: float = 0.0  # a budget keeps >= this share of the largest budget's unbroken traces per bin (0: off)
+    survival_unmeasured: str = "free"  # a bin too few rows reach: p5 alone (free) or the largest budget (largest)
 
 
 @_spec
@@ -419,6 +421,8 @@ def validate(spec: RunSpec) -> None:
     _require(0 < spec.calibration.tau < 1, "calibration.tau", spec.calibration.tau, "must be in (0, 1)")
     _require(0 <= spec.calibration.min_survival <= 1, "calibration.min_survival", spec.calibration.min_survival,
              "must be in [0, 1] (0: off)")
+    _require(spec.calibration.survival_unmeasured in SURVIVAL_UNMEASURED, "calibration.survival_unmeasured",
+             spec.calibration.survival_unmeasured, f"must be one of {SURVIVAL_UNMEASURED}")
     _require(not spec.distill.enabled or s.kind != "dense", "distill.enabled", spec.distill.enabled,
              "DistillSparse needs sparse rollouts (schedule.kind != 'dense')")
     _require(bool(spec.distill.switch_topk) == bool(spec.distill.switch_every), "distill.switch_every",
