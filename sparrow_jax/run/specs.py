@@ -18,7 +18,6 @@ from typing import Any, Optional
 from ml_collections import ConfigDict
 
 from sparrow_jax.io.presets import paper_presets, preset_layout
-from sparrow_jax.mismatch.calibrate import SURVIVAL_UNMEASURED
 
 
 class ConfigError(ValueError):
@@ -421,8 +420,9 @@ def validate(spec: RunSpec) -> None:
     _require(0 < spec.calibration.tau < 1, "calibration.tau", spec.calibration.tau, "must be in (0, 1)")
     _require(0 <= spec.calibration.min_survival <= 1, "calibration.min_survival", spec.calibration.min_survival,
              "must be in [0, 1] (0: off)")
-    _require(spec.calibration.survival_unmeasured in SURVIVAL_UNMEASURED, "calibration.survival_unmeasured",
-             spec.calibration.survival_unmeasured, f"must be one of {SURVIVAL_UNMEASURED}")
+    # calibrate.SURVIVAL_UNMEASURED's values, spelled here: config parsing imports no jax module
+    _require(spec.calibration.survival_unmeasured in ("free", "largest"), "calibration.survival_unmeasured",
+             spec.calibration.survival_unmeasured, "must be one of ('free', 'largest')")
     _require(not spec.distill.enabled or s.kind != "dense", "distill.enabled", spec.distill.enabled,
              "DistillSparse needs sparse rollouts (schedule.kind != 'dense')")
     _require(bool(spec.distill.switch_topk) == bool(spec.distill.switch_every), "distill.switch_every",
