@@ -26,9 +26,10 @@ Conventions:
     that end traces are far below any percentile of all tokens (1.8% of the tokens on
     recurrence_trace), so a schedule can hold p5 and still end most traces early. A cell seen by
     fewer than ``MIN_SURVIVAL_ROWS`` rows never meets it; a bin whose largest budget has fewer
-    is not constrained (``survival_unmeasured="free"``) or gets the largest budget ("largest"). Conditioned on reaching the bin, the share depends mostly on the bin's own
-    budget, so a schedule's whole-trace survival is roughly the product of its bins' shares. The
-    validation on fresh prompts checks p5 only.
+    is not constrained (``survival_unmeasured="free"``) or gets the largest budget ("largest").
+    Conditioned on reaching the bin, the share depends mostly on the bin's own budget, so a
+    schedule's whole-trace survival is roughly the product of its bins' shares. The validation on
+    fresh prompts checks p5 only.
   * Every measurement reports ``scorer_logp_max_err``, the largest gap between the sampler's
     log-prob of a sampled token and the sparse scorer's: ~1e-5 when they agree. The scorer
     attends sparsely at prompt positions too, while the sampler prefills the prompt densely,
@@ -196,6 +197,8 @@ def derive_topk(config: Qwen3Config, budgets: Sequence[int], p5: np.ndarray, cou
     feasible = reliable & (np.nan_to_num(p5, nan=-1.0) >= tau)
     if not 0.0 <= min_survival <= 1.0:
         raise ValueError(f"min_survival: expected a value in [0, 1], got {min_survival}")
+    if survival_unmeasured not in SURVIVAL_UNMEASURED:
+        raise ValueError(f"survival_unmeasured: expected one of {SURVIVAL_UNMEASURED}, got {survival_unmeasured!r}")
     if min_survival > 0:
         if survival is None or np.shape(survival) != p5.shape:
             raise ValueError(f"min_survival > 0 needs survival of shape {p5.shape}, got "
@@ -203,8 +206,6 @@ def derive_topk(config: Qwen3Config, budgets: Sequence[int], p5: np.ndarray, cou
         survival = np.asarray(survival, np.float64)
         reference = survival[-1]
         keeps = np.nan_to_num(survival, nan=-1.0) >= min_survival * reference
-        if survival_unmeasured not in SURVIVAL_UNMEASURED:
-            raise ValueError(f"survival_unmeasured: expected one of {SURVIVAL_UNMEASURED}, got {survival_unmeasured!r}")
         unknown = np.arange(len(ks))[:, None] == len(ks) - 1 if survival_unmeasured == "largest" else True
         feasible &= np.where(np.isnan(reference)[None, :], unknown, keeps)
     measured = reliable.any(axis=0)

@@ -175,7 +175,8 @@ def _write_outputs(spec: RunSpec, config, base, result: dict, validation: dict, 
     plot_p5_by_position(series, cal.tau, paths["png"],
                         title=f"p{cal.percentile:g} of acceptance rate by position ({spec.model.source} model)")
     atomic_write_json(paths["table_path"], dict(
-        tau=cal.tau, min_count=cal.min_count, min_survival=cal.min_survival, model_source=spec.model.source, tail_tokens=spec.train.tail_tokens,
+        tau=cal.tau, min_count=cal.min_count, min_survival=cal.min_survival,
+        survival_unmeasured=cal.survival_unmeasured, model_source=spec.model.source, tail_tokens=spec.train.tail_tokens,
         num_params=config.num_params(), **table, schedule_topk=list(schedule.topk),
         flagged_bins=result["flagged_bins"], inherited_bins=result["inherited_bins"],
         per_budget=result["per_budget"], validation=validation, raised=result.get("raised", []),
