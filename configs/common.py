@@ -171,6 +171,10 @@ def calibration_config() -> ConfigDict:
         # that rule's bins too few rows reach (< 16 at the largest budget): free (p5 alone) | largest (the
         # largest budget: their survival is unknown)
         survival_unmeasured="free",
+        # that rule's rows: sampled (the tail's rows, at rollout.temperature) | greedy (one greedy trace on
+        # each of num_prompts x samples_per_prompt prompts of their own: they reach the late bins that
+        # sampled traces, broken on their own, rarely do)
+        survival_decoding="sampled",
     ))
 
 

@@ -97,6 +97,11 @@ def get_config():
     # tokens, under any 5th percentile) break the sparse traces (sampled reward 0.22 against dense 0.29 on
     # the validation prompts) and the policy they train lags dense (docs/results.md)
     c.calibration.min_survival = 0.95
+    # that rule's counts on one greedy trace per prompt (64 prompts of their own): sampled traces break on
+    # their own early (4 of 64 reached position 768), so the late bins went unmeasured and kept 24 pages,
+    # where the sparse actor fell behind as RL lengthened its traces; greedy traces (the policy's best,
+    # which RL sharpens it toward) reach every bin (docs/results.md)
+    c.calibration.survival_decoding = "greedy"
     c.calibration.num_prompts = 32  # 64 rows: one row off its trace is 1.6% of a bin, not 6% (16 rows)
     c.calibration.validate_prompts = 32
     c.rollout.prompts_per_step = 8

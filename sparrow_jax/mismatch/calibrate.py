@@ -27,6 +27,9 @@ Conventions:
     recurrence_trace), so a schedule can hold p5 and still end most traces early. A cell seen by
     fewer than ``MIN_SURVIVAL_ROWS`` rows never meets it; a bin whose largest budget has fewer
     is not constrained (``survival_unmeasured="free"``) or gets the largest budget ("largest").
+    The counts come from the tail's sampled rows, or (``survival_prompts``) from one greedy trace
+    per prompt: sampled traces break on their own within a few hundred positions, so few reach the
+    late bins, while greedy traces (the policy's own best, which RL sharpens it toward) reach them.
     Conditioned on reaching the bin, the share depends mostly on the bin's own budget, so a
     schedule's whole-trace survival is roughly the product of its bins' shares. The validation on
     fresh prompts checks p5 only.
@@ -57,6 +60,7 @@ from sparrow_jax.rollout.schedule import SparsitySchedule
 TokenMask = Callable[[Any, int], np.ndarray]
 DEFAULT_MIN_COUNT = 40  # tokens a bin needs before its 5th percentile is trusted
 SURVIVAL_UNMEASURED = ("free", "largest")  # a bin too few rows reach: p5 alone, or the largest budget
+SURVIVAL_DECODING = ("sampled", "greedy")  # the survival counts' rows: the tail's samples, or greedy traces
 MIN_SURVIVAL_ROWS = 16  # rows a (budget, bin) cell needs before its survival share counts: one row is <= 6% of it
 
 
@@ -155,6 +159,33 @@ def measure_tail(config: Qwen3Config, params: Params, prompts: Sequence[Sequence
                 scorer_logp_max_err=err if comparable else math.nan, seconds=time.perf_counter() - t0)
 
 
+def measure_survival(config: Qwen3Config, params: Params, prompts: Sequence[Sequence[int]],
+                     schedule: SparsitySchedule, sampling: SamplingParams, horizon_mask: TokenMask,
+                     pad_id: int = 0, batch_size: int = 64) -> dict[str, Any]:
+    """One greedy sparse trace per prompt under ``schedule`` -> :func:`horizon_survival` counts.
+
+    Args:
+      params: the sparse actor's params.
+      sampling: the rollout's sampling (its length and stop ids; decoded greedily).
+      horizon_mask: ``horizon_mask(rollout, first_row)`` -> [b, T] each row's tokens up to its
+        reward horizon; rows are ``prompts`` in order, once each.
+    Returns dict: ``reached``, ``ended`` int [bins from 0], ``seconds``.
+    """
+    if not prompts:
+        raise ValueError("measure_survival needs at least one prompt")
+    greedy = dataclasses.replace(sampling, temperature=0.0, top_k=0, top_p=1.0)
+    rows, t0 = [list(p) for p in prompts], time.perf_counter()
+    n_bins = -(-(max(map(len, rows)) + sampling.max_new_tokens) // schedule.bin_width)
+    reached, ended = np.zeros(n_bins, np.int64), np.zeros(n_bins, np.int64)
+    for i in range(0, len(rows), batch_size):
+        # greedy decoding draws no random numbers: the key is a formality
+        out = generate(config, params, rows[i:i + batch_size], jax.random.PRNGKey(0), greedy,
+                       schedule=schedule, pad_id=pad_id)
+        r, e = horizon_survival(horizon_mask(out, i) > 0, out.completion_mask, schedule.bin_width, n_bins)
+        reached, ended = reached + r, ended + e
+    return dict(reached=reached, ended=ended, seconds=time.perf_counter() - t0)
+
+
 def fixed_schedule(base: SparsitySchedule, topk: int) -> SparsitySchedule:
     """``base`` (page size, bins, reserved pages, dense layers, selector) with one top-k everywhere."""
     return dataclasses.replace(base, topk=(int(topk),), name=f"fixed-topk{int(topk)}", meta=None)
@@ -237,7 +268,8 @@ def calibrate(config: Qwen3Config, params: Params, prompts: Sequence[Sequence[in
               hardware: str = "cpu", pad_id: int = 0, batch_size: int = 64, progress: bool = False,
               sparse_params: Params | None = None, token_mask: TokenMask | None = None,
               min_survival: float = 0.0, horizon_mask: TokenMask | None = None,
-              survival_unmeasured: str = "free") -> dict[str, Any]:
+              survival_unmeasured: str = "free",
+              survival_prompts: Sequence[Sequence[int]] | None = None) -> dict[str, Any]:
     """Measure the budget x bin tail table and derive the calibrated schedule.
 
     Args:
@@ -253,6 +285,9 @@ def calibrate(config: Qwen3Config, params: Params, prompts: Sequence[Sequence[in
       min_survival, horizon_mask: the survival rule of the module docstring (0: off) and each row's
         tokens up to its reward horizon (:func:`measure_tail`), needed when ``min_survival`` > 0;
         survival_unmeasured: the rule's bins that too few rows reach (:func:`derive_topk`).
+      survival_prompts: count survival on one greedy trace of each of these prompts
+        (:func:`measure_survival`; ``horizon_mask`` then indexes them, once each) instead of on
+        the tail's sampled rows; None: the sampled rows.
     Returns dict:
       ``schedule``: the SparsitySchedule (``meta``: tau, percentile, min_count, table,
         flagged/inherited bins);
@@ -267,12 +302,21 @@ def calibrate(config: Qwen3Config, params: Params, prompts: Sequence[Sequence[in
         raise ValueError(f"percentile: expected a value in (0, 100), got {percentile}")
     if min_survival > 0 and horizon_mask is None:
         raise ValueError("min_survival > 0 needs horizon_mask (each row's tokens up to its reward horizon)")
+    greedy = survival_prompts is not None
+    if greedy and horizon_mask is None:
+        raise ValueError("survival_prompts needs horizon_mask (each of their rows' tokens up to its reward horizon)")
     measured = {}
     for k in ks:
-        measured[k] = measure_tail(config, params, prompts, fixed_schedule(schedule_base, k), sampling,
+        schedule_k = fixed_schedule(schedule_base, k)
+        measured[k] = measure_tail(config, params, prompts, schedule_k, sampling,
                                    samples_per_prompt, key, percentile, pad_id=pad_id, batch_size=batch_size,
                                    sparse_params=sparse_params, token_mask=token_mask,
-                                   horizon_mask=horizon_mask)
+                                   horizon_mask=None if greedy else horizon_mask)
+        if greedy:
+            counts = measure_survival(config, params if sparse_params is None else sparse_params, survival_prompts,
+                                      schedule_k, sampling, horizon_mask, pad_id=pad_id, batch_size=batch_size)
+            measured[k].update(reached=counts["reached"], ended=counts["ended"],
+                               seconds=measured[k]["seconds"] + counts["seconds"])
         if progress:
             m = measured[k]
             print(f"[calibrate] top-k {k}: {m['tokens']} tokens, min p{percentile:g} "
@@ -287,8 +331,10 @@ def calibrate(config: Qwen3Config, params: Params, prompts: Sequence[Sequence[in
         p5[i, b], mean[i, b], count[i, b] = measured[k]["p"], measured[k]["mean"], measured[k]["count"]
     survival, reached = None, None
     if horizon_mask is not None:
-        reached = np.stack([measured[k]["reached"][:n_bins] for k in ks])
-        ended = np.stack([measured[k]["ended"][:n_bins] for k in ks])
+        # the survival rows may span other bins than the tail's: cut or zero-pad to the table's
+        fit = lambda a: np.pad(a[:n_bins], (0, max(0, n_bins - len(a))))  # noqa: E731
+        reached = np.stack([fit(measured[k]["reached"]) for k in ks])
+        ended = np.stack([fit(measured[k]["ended"]) for k in ks])
         survival = np.where(reached >= MIN_SURVIVAL_ROWS, 1.0 - ended / np.maximum(reached, 1), np.nan)
     lens = [len(p) for p in prompts]
     derived = derive_topk(config, ks, p5, count, tau, schedule_base, min_count=min_count,
@@ -303,7 +349,8 @@ def calibrate(config: Qwen3Config, params: Params, prompts: Sequence[Sequence[in
     meta = dict(tau=float(tau), percentile=float(percentile), min_count=int(min_count), table=table,
                 flagged_bins=derived["flagged_bins"], inherited_bins=derived["inherited_bins"])
     if min_survival > 0:
-        meta.update(min_survival=float(min_survival), survival_unmeasured=survival_unmeasured)
+        meta.update(min_survival=float(min_survival), survival_unmeasured=survival_unmeasured,
+                    survival_decoding="greedy" if greedy else "sampled")
     schedule = dataclasses.replace(schedule_base, topk=tuple(derived["topk"]), name=f"calibrated-tau{tau:g}",
                                    meta=meta)
     per_budget = {str(k): {f: measured[k][f] for f in ("tokens", "finished", "scorer_logp_max_err", "seconds")}

@@ -27,6 +27,10 @@ from sparrow_jax.run.specs import ConfigError, RunSpec, TaskSpec
 RUN_FILES = ("checkpoints", "metrics.jsonl", "report.json", "schedule.json", "calibration.json")
 
 
+# the greedy survival rows' prompts: task seed + this (calibration: + 1, validation: + 2 + round)
+SURVIVAL_SEED_OFFSET = 1000
+
+
 def check_calibration_target(workdir: str, force: bool) -> None:
     """Raise :class:`ConfigError` naming the first of :data:`RUN_FILES` in ``workdir`` unless ``force``:
     a resumed run would train on the new schedule, and the old calibration would be lost."""
@@ -85,10 +89,12 @@ def tail_token_mask(spec: RunSpec, ctx: RunContext, examples: list[dict]) -> Opt
     return horizon_token_mask(spec, ctx, examples) if spec.train.tail_tokens == "loss" else None
 
 
-def horizon_token_mask(spec: RunSpec, ctx: RunContext, examples: list[dict]) -> TokenMask:
+def horizon_token_mask(spec: RunSpec, ctx: RunContext, examples: list[dict],
+                       samples: Optional[int] = None) -> TokenMask:
     """Each row's completion tokens up to its task's reward horizon; the rows are ``examples`` in
-    order, each ``calibration.samples_per_prompt`` times."""
-    rows = [e for e in examples for _ in range(spec.calibration.samples_per_prompt)]
+    order, each ``samples`` times (default ``calibration.samples_per_prompt``)."""
+    samples = spec.calibration.samples_per_prompt if samples is None else samples
+    rows = [e for e in examples for _ in range(samples)]
     return lambda rollout, first: reward_horizon_mask(ctx, rollout, rows[first:first + len(rollout.lengths)],
                                                       rollout.tokens.shape[1])
 
@@ -121,12 +127,20 @@ def calibrate_run(spec: RunSpec, ctx: Optional[RunContext] = None, progress: boo
         print(f"[calibrate] {config.num_params():,} params ({spec.model.source}), {len(prompts)} prompts of "
               f"{min(map(len, prompts))}-{max(map(len, prompts))} tokens x {cal.samples_per_prompt} samples, "
               f"budgets {list(cal.budgets)}, tau {cal.tau}", flush=True)
+    horizon_mask, survival_prompts = None, None
+    if cal.min_survival > 0 and cal.survival_decoding == "greedy":
+        # as many greedy rows as the tail has sampled ones, on prompts of their own (greedy repeats would be copies)
+        survival_examples, survival_prompts = task_prompts(spec.task, ctx, cal.num_prompts * cal.samples_per_prompt,
+                                                           spec.task.seed + SURVIVAL_SEED_OFFSET, cal.spread_prompts)
+        horizon_mask = horizon_token_mask(spec, ctx, survival_examples, samples=1)
+    elif cal.min_survival > 0:
+        horizon_mask = horizon_token_mask(spec, ctx, examples)
     result = calibrate(config, ctx.params, prompts, cal.budgets, cal.tau, base, ctx.sampling,
                        cal.samples_per_prompt, jax.random.fold_in(key, 1), cal.percentile,
                        min_count=cal.min_count, pad_id=ctx.tokenizer.pad_id, progress=progress,
                        token_mask=tail_token_mask(spec, ctx, examples), min_survival=cal.min_survival,
-                       horizon_mask=horizon_token_mask(spec, ctx, examples) if cal.min_survival > 0 else None,
-                       survival_unmeasured=cal.survival_unmeasured)
+                       horizon_mask=horizon_mask, survival_unmeasured=cal.survival_unmeasured,
+                       survival_prompts=survival_prompts)
     check = lambda sched, rows, rows_examples, round_: validate(  # noqa: E731
         config, ctx.params, rows, sched, ctx.sampling, cal.samples_per_prompt, jax.random.fold_in(key, 2 + round_),
         cal.percentile, tau=cal.tau, min_count=cal.min_count, pad_id=ctx.tokenizer.pad_id,
@@ -176,7 +190,8 @@ def _write_outputs(spec: RunSpec, config, base, result: dict, validation: dict, 
                         title=f"p{cal.percentile:g} of acceptance rate by position ({spec.model.source} model)")
     atomic_write_json(paths["table_path"], dict(
         tau=cal.tau, min_count=cal.min_count, min_survival=cal.min_survival,
-        survival_unmeasured=cal.survival_unmeasured, model_source=spec.model.source, tail_tokens=spec.train.tail_tokens,
+        survival_unmeasured=cal.survival_unmeasured, survival_decoding=cal.survival_decoding,
+        model_source=spec.model.source, tail_tokens=spec.train.tail_tokens,
         num_params=config.num_params(), **table, schedule_topk=list(schedule.topk),
         flagged_bins=result["flagged_bins"], inherited_bins=result["inherited_bins"],
         per_budget=result["per_budget"], validation=validation, raised=result.get("raised", []),

@@ -120,6 +120,7 @@ class CalibrationSpec:
     revalidate_rounds: int = 0  # failed bins raised to the next budget and validated again, this many times
     min_survival: float = 0.0  # a budget keeps >= this share of the largest budget's unbroken traces per bin (0: off)
     survival_unmeasured: str = "free"  # a bin too few rows reach: p5 alone (free) or the largest budget (largest)
+    survival_decoding: str = "sampled"  # the survival counts' rows: the tail's samples or one greedy trace a prompt
 
 
 @_spec
@@ -420,9 +421,11 @@ def validate(spec: RunSpec) -> None:
     _require(0 < spec.calibration.tau < 1, "calibration.tau", spec.calibration.tau, "must be in (0, 1)")
     _require(0 <= spec.calibration.min_survival <= 1, "calibration.min_survival", spec.calibration.min_survival,
              "must be in [0, 1] (0: off)")
-    # calibrate.SURVIVAL_UNMEASURED's values, spelled here: config parsing imports no jax module
+    # calibrate.SURVIVAL_UNMEASURED's and SURVIVAL_DECODING's values, spelled here: config parsing imports no jax module
     _require(spec.calibration.survival_unmeasured in ("free", "largest"), "calibration.survival_unmeasured",
              spec.calibration.survival_unmeasured, "must be one of ('free', 'largest')")
+    _require(spec.calibration.survival_decoding in ("sampled", "greedy"), "calibration.survival_decoding",
+             spec.calibration.survival_decoding, "must be one of ('sampled', 'greedy')")
     _require(not spec.distill.enabled or s.kind != "dense", "distill.enabled", spec.distill.enabled,
              "DistillSparse needs sparse rollouts (schedule.kind != 'dense')")
     _require(bool(spec.distill.switch_topk) == bool(spec.distill.switch_every), "distill.switch_every",

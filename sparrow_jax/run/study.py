@@ -26,12 +26,13 @@ import numpy as np
 
 from sparrow_jax.io import atomic_write_json
 from sparrow_jax.io.metrics import bin_series, read_histograms, read_metrics
+from sparrow_jax.rollout import SparsitySchedule
 from sparrow_jax.rl.context import RunContext
 from sparrow_jax.rl.trainer import TrainResult, train
 from sparrow_jax.run.calibration import calibrate_run
 from sparrow_jax.run.context import build_run_context, build_schedule
 from sparrow_jax.run.final_eval import evaluate_final, final_eval_pending
-from sparrow_jax.run.final_eval_figures import format_final_eval, paired_figures
+from sparrow_jax.run.final_eval_figures import format_final_eval, paired_figures, run_name
 from sparrow_jax.run.headline import SeedRun, arm_summary, relative_step_time
 from sparrow_jax.run.study_plots import plot_headline, plot_study
 from sparrow_jax.run.report import (generated_tokens_per_s, reward_start_end, reward_window, training_report,
@@ -205,11 +206,19 @@ def run_study(spec: RunSpec) -> dict:
     calibrated = build_schedule(spec.schedule, spec.workdir)
     seeds = study_seeds(spec)
     runs: dict[str, dict[int, SeedRun]] = {}
+    same_run: dict[str, str] = {}  # arm -> the earlier arm whose run it is
     for arm in spec.study.arms:
         if arm in _OTHER_TAU:
             other = _tau_calibration_spec(spec, arm)
             if not os.path.exists(os.path.join(other.workdir, "schedule.json")):
                 calibrate_run(other)
+            if "calibrated" in runs and same_schedule(build_schedule(_arm_spec(spec, arm).schedule, other.workdir),
+                                                      calibrated):
+                # tau enters only the reports: the same schedule and seeds train the same policies
+                print(f"[arm] {arm}: its schedule is the calibrated arm's (top-k {list(calibrated.topk)}): "
+                      "the same run", flush=True)
+                same_run[arm], runs[arm] = "calibrated", runs["calibrated"]
+                continue
         runs[arm] = {seed: _run_arm(spec, arm, seed, calibrated) for seed in seeds}
     num_prompts = runs[spec.study.arms[-1]][seeds[-1]].report["train_prompts"]
     seed_rows = {a: [training_rows(run.records) for run in by_seed.values()] for a, by_seed in runs.items()}
@@ -223,6 +232,8 @@ def run_study(spec: RunSpec) -> dict:
                 rows[a][s]["reward_vs_calibrated"] = paired_reward_diff(
                     training_rows(run.records), training_rows(runs["calibrated"][s].records))
     table = {a: arm_summary(_arm_spec(spec, a), rows[a], runs[a]) for a in runs}
+    for a, b in same_run.items():
+        table[a]["same_run_as"] = b
     relative_step_time(table)
     plot_headline(table, seed_rows, os.path.join(spec.workdir, "headline.png"),
                   taus={a: _arm_spec(spec, a).calibration.tau for a in runs})
@@ -234,14 +245,24 @@ def run_study(spec: RunSpec) -> dict:
             report[field] = getattr(spec.study, field)
     final_eval_s = None
     if spec.study.final_eval_prompts:
-        workdirs = {a: {s: _arm_spec(spec, a, s).workdir for s in seeds} for a in runs}
+        workdirs = {a: {s: _arm_spec(spec, a, s).workdir for s in seeds} for a in runs if a not in same_run}
         evaluated = evaluate_final(spec, workdirs)
+        evaluated["runs"].update({run_name(a, s): evaluated["runs"][run_name(b, s)]  # the same policies
+                                  for a, b in same_run.items() for s in seeds})
         report["final_eval"] = paired_figures(evaluated)
         final_eval_s = _sum_known(evaluated.get("seconds", {}).get(name) for name in evaluated["runs"])
-    report["wall_s"] = study_wall_seconds(spec, runs, final_eval_s)
+    report["wall_s"] = study_wall_seconds(spec, {a: r for a, r in runs.items() if a not in same_run}, final_eval_s)
     atomic_write_json(os.path.join(spec.workdir, "report.json"), report)
     print_study(report)
     return report
+
+
+def same_schedule(a: Optional[SparsitySchedule], b: Optional[SparsitySchedule]) -> bool:
+    """Whether two schedules select the same pages everywhere (their labels and metadata aside)."""
+    if a is None or b is None:
+        return a is b
+    unlabelled = lambda x: dataclasses.replace(x, name="", meta=None)  # noqa: E731
+    return unlabelled(a) == unlabelled(b)
 
 
 def _sum_known(values) -> Optional[float]:
@@ -288,7 +309,8 @@ def print_study(report: dict) -> None:
               f"min p5 {fmt(row['min_p5'])}, {fmt(row['gen_tokens_per_s'], '.0f')} gen tok/s, speedup "
               f"{fmt(row.get('rollout_speedup'), '.2f')}x, step time vs dense "
               f"{fmt(row.get('step_time_vs_dense'), '.2f')}x, kept pages {fmt(row.get('kept_page_share'))}, "
-              f"predicted cost {fmt(row.get('predicted_cost_end'))}", flush=True)
+              f"predicted cost {fmt(row.get('predicted_cost_end'))}"
+              + (f" (the {row['same_run_as']} arm's run: the same schedule)" if "same_run_as" in row else ""), flush=True)
     if "final_eval" in report:
         print("\n".join(format_final_eval(report["final_eval"])), flush=True)
     wall = report.get("wall_s")
