@@ -62,6 +62,8 @@ def _cfg(**fields):
     (dict(calibration__min_survival=1.5), r"^--config\.calibration\.min_survival=1\.5: must be in \[0, 1\]"),
     (dict(calibration__survival_unmeasured="dense"),
      r"^--config\.calibration\.survival_unmeasured='dense': must be one of \('free', 'largest'\)"),
+    (dict(calibration__survival_decoding="beam"),
+     r"^--config\.calibration\.survival_decoding='beam': must be one of \('sampled', 'greedy'\)"),
     (dict(rollout__engine="continuous", mesh__data=2), r"^--config\.rollout\.engine='continuous': runs on one device.*"
                                                        r"the mesh has 2"),
     (dict(task__dataset="rows.parquet"),

@@ -130,3 +130,48 @@ def test_calibrate_counts_survival_from_the_horizon_mask():
     # 40 rows: 20 reach bin 0 and 10 break there; 30 reach bin 1 and 20 break there
     assert table["survival"][0][:2] == pytest.approx([0.5, 1 / 3])
     assert res["schedule"].meta["min_survival"] == 0.9
+
+
+def test_calibrate_counts_survival_on_one_greedy_trace_of_each_survival_prompt():
+    """With ``survival_prompts`` the counts come from one greedy trace of each of them (not the tail's
+    sampled rows, twice each): a horizon 5 + (row % 3) tokens into each completion gives the counts
+    by hand, whatever the batch split (the mask reads each batch's first row)."""
+    config = tiny_config(num_hidden_layers=2, vocab_size=64)
+    params = init_params(config, seed=3)
+    rng = np.random.RandomState(1)
+    prompts = [list(rng.randint(3, 64, n)) for n in (20, 60) * 4]
+    survival_prompts = [list(rng.randint(3, 64, n)) for n in (30, 62, 100) * 6]  # 18 rows
+    sampling = SamplingParams(max_new_tokens=24, temperature=1.0)
+    horizon = lambda row: 5 + row % 3  # noqa: E731
+
+    def first_tokens(rollout, first):
+        comp = rollout.completion_mask
+        rows = first + np.arange(comp.shape[0])[:, None]
+        return comp & (np.cumsum(comp, axis=1) <= horizon(rows))
+
+    res = C.calibrate(config, params, prompts, (0, 32), 0.5, BASE, sampling, 2, jax.random.PRNGKey(0),
+                      min_count=10, min_survival=0.9, horizon_mask=first_tokens, survival_prompts=survival_prompts,
+                      batch_size=4)
+    table = res["table"]
+    n_bins = len(table["bin_starts"])
+    want_reached, want_ended = np.zeros(n_bins, int), np.zeros(n_bins, int)
+    for row, p in enumerate(survival_prompts):  # loss tokens at query positions len-1 .. len+h-2
+        n, h = len(p), horizon(row)
+        for b in sorted({q // 64 for q in range(n - 1, n + h - 1)}):
+            want_reached[b] += 1
+        want_ended[(n + h - 2) // 64] += 1
+    for i in range(2):
+        assert table["reached"][i] == want_reached.tolist()
+        share = [None if r < C.MIN_SURVIVAL_ROWS else 1.0 - e / r for r, e in zip(want_reached, want_ended)]
+        assert table["survival"][i] == pytest.approx(share)
+    assert res["schedule"].meta["survival_decoding"] == "greedy"
+    # greedy traces draw no random numbers: another batch split counts the same
+    one = C.measure_survival(config, params, survival_prompts, C.fixed_schedule(BASE, 0), sampling, first_tokens,
+                             batch_size=64)
+    assert one["reached"][:n_bins].tolist() == want_reached.tolist()
+    assert one["ended"][:n_bins].tolist() == want_ended.tolist()
+    with pytest.raises(ValueError, match="survival_prompts needs horizon_mask"):
+        C.calibrate(config, params, prompts, (0,), 0.5, BASE, sampling, 1, jax.random.PRNGKey(0),
+                    survival_prompts=survival_prompts)
+    with pytest.raises(ValueError, match="at least one prompt"):
+        C.measure_survival(config, params, [], BASE, sampling, first_tokens)

@@ -1,6 +1,7 @@
 """The headline study's machinery on synthetic logs: arm specs of the new arms and the seed layout,
 refused study fields, the per-arm table over seeds against hand computations, headline.png, and a
 two-seed study (training stubbed) that resumes seed by seed."""
+import dataclasses
 import json
 import math
 import os
@@ -216,18 +217,14 @@ def test_headline_plot_writes_a_small_png(tmp_path):
     assert not (tmp_path / "none.png").exists()
 
 
-def test_two_seed_study_resumes_seed_by_seed_and_calibrates_the_low_arm(tmp_path, monkeypatch):
-    """(arm, seed) runs in order, a finished one skipped; calibrated_low is calibrated once at low_tau
-    into its own directory; the first seed's report keeps the measured speedup; the table holds
-    every arm over both seeds; the finished study, rerun, adds its final evaluation, then an arm."""
+def _stub_study(monkeypatch, tmp_path, build_schedule=None):
+    """``study``'s training, calibration, speedup timing and contexts stubbed: every run logs two steps
+    whose reward is 0.1 x step + 0.01 x seed. ``build_schedule(spec_schedule, workdir)`` gives the
+    schedules (default: top-k 2 everywhere). -> (fake_train, trained, calibrations, timed)."""
     from sparrow_jax.io.metrics import MetricWriter
     from sparrow_jax.rollout import SparsitySchedule
     from sparrow_jax.run import study
 
-    cfg = _config(arms=("dense", "calibrated_low", "random_reward"), final_eval_prompts=0)
-    cfg.workdir, cfg.steps = str(tmp_path), 2
-    spec = parse_spec(cfg)
-    (tmp_path / "schedule.json").write_text("{}")  # the main calibration is done
     trained, calibrations, timed = [], [], []
 
     class Ctx:
@@ -257,7 +254,21 @@ def test_two_seed_study_resumes_seed_by_seed_and_calibrates_the_low_arm(tmp_path
     monkeypatch.setattr(study, "calibrate_run", fake_calibrate)
     monkeypatch.setattr(study, "measure_rollout_speedup", fake_speedup)
     monkeypatch.setattr(study, "build_run_context", lambda *a: Ctx())
-    monkeypatch.setattr(study, "build_schedule", lambda *a: SparsitySchedule.fixed(2))
+    monkeypatch.setattr(study, "build_schedule", build_schedule or (lambda *a: SparsitySchedule.fixed(2)))
+    return fake_train, trained, calibrations, timed
+
+
+def test_two_seed_study_resumes_seed_by_seed_and_calibrates_the_low_arm(tmp_path, monkeypatch):
+    """(arm, seed) runs in order, a finished one skipped; calibrated_low is calibrated once at low_tau
+    into its own directory; the first seed's report keeps the measured speedup; the table holds
+    every arm over both seeds; the finished study, rerun, adds its final evaluation, then an arm."""
+    from sparrow_jax.run import study
+
+    cfg = _config(arms=("dense", "calibrated_low", "random_reward"), final_eval_prompts=0)
+    cfg.workdir, cfg.steps = str(tmp_path), 2
+    spec = parse_spec(cfg)
+    (tmp_path / "schedule.json").write_text("{}")  # the main calibration is done
+    fake_train, trained, calibrations, timed = _stub_study(monkeypatch, tmp_path)
     fake_train(_arm_spec(spec, "dense", 0), None)  # dense seed 0 finished earlier ...
     (tmp_path / "dense" / "seed_0" / "report.json").write_text(json.dumps({"steps": 2, "train_prompts": 8}))
     trained.clear()
@@ -318,6 +329,58 @@ def test_two_seed_study_resumes_seed_by_seed_and_calibrates_the_low_arm(tmp_path
     assert trained == ["calibrated_high/seed_0", "calibrated_high/seed_1"]
     assert calibrations[-1] == (f"{tmp_path}/calibrated_high", 0.92) and report["high_tau"] == 0.92
     assert report["final_eval"]["reward_mean@4"]["arms"]["calibrated_high"]["vs_dense"] == pytest.approx(-0.05)
+
+
+def test_an_other_tau_arm_with_the_calibrated_schedule_reuses_the_calibrated_run(tmp_path, monkeypatch):
+    """calibrated_low derives the calibrated arm's schedule (labels aside): it is the same run, so the
+    study trains and evaluates it once, reports it under both names (marked), and counts its time
+    once; calibrated_high's differs and trains."""
+    from sparrow_jax.rollout import SparsitySchedule
+    from sparrow_jax.run import study
+
+    def schedules(s, workdir):  # calibrated_high's calibration picked more pages
+        topk = 4 if workdir.endswith("calibrated_high") else 2
+        return dataclasses.replace(SparsitySchedule.fixed(topk), name=os.path.basename(workdir), meta={"w": workdir})
+
+    cfg = _config(arms=("dense", "calibrated", "calibrated_low", "calibrated_high"), final_eval_prompts=2)
+    cfg.workdir, cfg.steps = str(tmp_path), 2
+    (tmp_path / "schedule.json").write_text("{}")
+    _, trained, calibrations, _ = _stub_study(monkeypatch, tmp_path, schedules)
+    evaluated = []
+
+    def fake_evaluate(s, workdirs):
+        evaluated.append(workdirs)
+        runs = {"start": {"reward_mean@4": [0.5, 0.5], "reward_greedy": [1.0, 1.0]}}
+        runs.update({f"{a}/seed_{seed}": {"reward_mean@4": [0.6 + 0.1 * (a == "calibrated"), 0.6],
+                                          "reward_greedy": [1.0, 1.0]} for a in workdirs for seed in (0, 1)})
+        return {"prompts": 2, "k": 4, "seed": 0, "steps": s.steps, "runs": runs, "seconds": {n: 1.0 for n in runs}}
+
+    monkeypatch.setattr(study, "evaluate_final", fake_evaluate)
+    os.makedirs(tmp_path / "calibrated_low")
+    (tmp_path / "calibrated_low" / "calibration.json").write_text(json.dumps({"seconds": 30.0}))
+    report = study.run_study(parse_spec(cfg))
+    assert [c[1] for c in calibrations] == [0.75, 0.92]  # both other taus calibrated
+    assert trained == [f"{a}/seed_{s}" for a in ("dense", "calibrated", "calibrated_high") for s in (0, 1)]
+    arms = report["arms"]
+    assert arms["calibrated_low"]["same_run_as"] == "calibrated" and "same_run_as" not in arms["calibrated_high"]
+    assert arms["calibrated_low"]["reward_end"] == arms["calibrated"]["reward_end"]
+    assert set(evaluated[0]) == {"dense", "calibrated", "calibrated_high"}
+    fig = report["final_eval"]["reward_mean@4"]["arms"]
+    assert fig["calibrated_low"]["vs_dense"] == fig["calibrated"]["vs_dense"] == pytest.approx(0.05)
+    wall = report["wall_s"]  # the reused run counted once, its own calibration counted
+    assert "calibrated_low" not in wall["arms"] and wall["calibration"]["calibrated_low"] == 30.0
+    assert wall["final_eval"] == 7.0  # the start and 3 arms x 2 seeds evaluated, 1 s each
+
+
+def test_same_schedule_compares_the_pages_not_the_labels():
+    from sparrow_jax.rollout import SparsitySchedule
+    from sparrow_jax.run.study import same_schedule
+
+    a = SparsitySchedule.fixed(2)
+    assert same_schedule(dataclasses.replace(a, name="x", meta={"tau": 0.75}), a)
+    assert not same_schedule(SparsitySchedule.fixed(3), a)
+    assert not same_schedule(dataclasses.replace(a, reserved_first=3), a)
+    assert same_schedule(None, None) and not same_schedule(None, a)
 
 
 def test_p5_series_join_the_scored_steps_of_a_run_scored_every_other_step():

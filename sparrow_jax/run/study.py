@@ -20,7 +20,7 @@ import dataclasses
 import json
 import os
 import time
-from typing import Callable, Optional
+from typing import Callable, Collection, Optional
 
 import numpy as np
 
@@ -247,11 +247,11 @@ def run_study(spec: RunSpec) -> dict:
     if spec.study.final_eval_prompts:
         workdirs = {a: {s: _arm_spec(spec, a, s).workdir for s in seeds} for a in runs if a not in same_run}
         evaluated = evaluate_final(spec, workdirs)
+        final_eval_s = _sum_known(evaluated.get("seconds", {}).get(name) for name in evaluated["runs"])
         evaluated["runs"].update({run_name(a, s): evaluated["runs"][run_name(b, s)]  # the same policies
                                   for a, b in same_run.items() for s in seeds})
         report["final_eval"] = paired_figures(evaluated)
-        final_eval_s = _sum_known(evaluated.get("seconds", {}).get(name) for name in evaluated["runs"])
-    report["wall_s"] = study_wall_seconds(spec, {a: r for a, r in runs.items() if a not in same_run}, final_eval_s)
+    report["wall_s"] = study_wall_seconds(spec, runs, final_eval_s, reused=set(same_run))
     atomic_write_json(os.path.join(spec.workdir, "report.json"), report)
     print_study(report)
     return report
@@ -279,15 +279,17 @@ def _calibration_seconds(workdir: str) -> Optional[float]:
         return json.load(f).get("seconds")
 
 
-def study_wall_seconds(spec: RunSpec, runs: dict[str, dict[int, SeedRun]], final_eval_s: Optional[float]) -> dict:
+def study_wall_seconds(spec: RunSpec, runs: dict[str, dict[int, SeedRun]], final_eval_s: Optional[float],
+                       reused: Collection[str] = ()) -> dict:
     """Where a study's wall time went, in seconds: ``calibration`` (the main schedule's and each other
     tau's, from their ``calibration.json``), ``arms`` (arm -> seed -> its run's ``wall_s``: model
-    build, compiles, steps, validations and the speedup measurement), ``final_eval`` (every policy's
-    evaluation) and ``total``. A part not measured (an arm resumed from a checkpoint or finished
+    build, compiles, steps, validations and the speedup measurement; the ``reused`` arms, another
+    arm's runs, are left out), ``final_eval`` (every policy's evaluation) and ``total``. A part not measured (an arm resumed from a checkpoint or finished
     before runs recorded their time) is None, and so is every sum that holds it."""
     calibration = {"calibrated": _calibration_seconds(spec.workdir)}
     calibration.update({a: _calibration_seconds(_tau_calibration_spec(spec, a).workdir) for a in runs if a in _OTHER_TAU})
-    arms = {a: {str(s): run.report.get("wall_s") for s, run in by_seed.items()} for a, by_seed in runs.items()}
+    arms = {a: {str(s): run.report.get("wall_s") for s, run in by_seed.items()} for a, by_seed in runs.items()
+            if a not in reused}
     parts = [*calibration.values(), *(t for by_seed in arms.values() for t in by_seed.values())]
     if spec.study.final_eval_prompts:
         parts.append(final_eval_s)
