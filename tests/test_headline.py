@@ -356,6 +356,8 @@ def test_an_other_tau_arm_with_the_calibrated_schedule_reuses_the_calibrated_run
         return {"prompts": 2, "k": 4, "seed": 0, "steps": s.steps, "runs": runs, "seconds": {n: 1.0 for n in runs}}
 
     monkeypatch.setattr(study, "evaluate_final", fake_evaluate)
+    plotted = {}
+    monkeypatch.setattr(study, "plot_headline", lambda table, rows, path, taus: plotted.update(taus))
     os.makedirs(tmp_path / "calibrated_low")
     (tmp_path / "calibrated_low" / "calibration.json").write_text(json.dumps({"seconds": 30.0}))
     report = study.run_study(parse_spec(cfg))
@@ -367,6 +369,8 @@ def test_an_other_tau_arm_with_the_calibrated_schedule_reuses_the_calibrated_run
     assert set(evaluated[0]) == {"dense", "calibrated", "calibrated_high"}
     fig = report["final_eval"]["reward_mean@4"]["arms"]
     assert fig["calibrated_low"]["vs_dense"] == fig["calibrated"]["vs_dense"] == pytest.approx(0.05)
+    # headline.png draws the run once, named for both arms, with the calibrated arm's tau
+    assert plotted == {"dense": 0.86, "calibrated = calibrated_low": 0.86, "calibrated_high": 0.92}
     wall = report["wall_s"]  # the reused run counted once, its own calibration counted
     assert "calibrated_low" not in wall["arms"] and wall["calibration"]["calibrated_low"] == 30.0
     assert wall["final_eval"] == 7.0  # the start and 3 arms x 2 seeds evaluated, 1 s each

@@ -222,7 +222,9 @@ def run_study(spec: RunSpec) -> dict:
         runs[arm] = {seed: _run_arm(spec, arm, seed, calibrated) for seed in seeds}
     num_prompts = runs[spec.study.arms[-1]][seeds[-1]].report["train_prompts"]
     seed_rows = {a: [training_rows(run.records) for run in by_seed.values()] for a, by_seed in runs.items()}
-    plot_study({a: r[0] for a, r in seed_rows.items()}, os.path.join(spec.workdir, "study.png"))
+    # the plots draw a reused run once, under the names of every arm it stands for
+    shown = {a: a + "".join(f" = {b}" for b, c in same_run.items() if c == a) for a in runs if a not in same_run}
+    plot_study({shown[a]: seed_rows[a][0] for a in shown}, os.path.join(spec.workdir, "study.png"))
     window = reward_window(num_prompts, spec.rollout.prompts_per_step, spec.steps)
     rows = {a: {s: arm_row(_arm_spec(spec, a, s), a, run.records, run.histograms, window)
                 for s, run in by_seed.items()} for a, by_seed in runs.items()}
@@ -235,8 +237,9 @@ def run_study(spec: RunSpec) -> dict:
     for a, b in same_run.items():
         table[a]["same_run_as"] = b
     relative_step_time(table)
-    plot_headline(table, seed_rows, os.path.join(spec.workdir, "headline.png"),
-                  taus={a: _arm_spec(spec, a).calibration.tau for a in runs})
+    plot_headline({shown[a]: table[a] for a in shown}, {shown[a]: seed_rows[a] for a in shown},
+                  os.path.join(spec.workdir, "headline.png"),
+                  taus={shown[a]: _arm_spec(spec, a).calibration.tau for a in shown})
     report = {"arms": table, "seeds": list(seeds), "tau": spec.calibration.tau,
               "calibrated_topk": list(calibrated.topk), "aggressive_topk": spec.study.aggressive_topk,
               "steps": spec.steps}
