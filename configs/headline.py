@@ -10,8 +10,9 @@ stable threshold 0.92?
 Arms, each at seeds 0 and 1 with the same prompts (``runs/headline/<arm>/seed_<s>``): dense
 rollouts; the schedule calibrated at tau = 0.86 (``runs/headline/schedule.json``); the schedule
 calibrated the same way at ``study.low_tau`` = 0.75 (``runs/headline/calibrated_low/``) and at
-``study.high_tau`` = 0.92 (``runs/headline/calibrated_high/``); the online controller started
-dense; and the random-reward control (dense
+``study.high_tau`` = 0.92 (``runs/headline/calibrated_high/``), each trained only if its schedule
+differs from the tau = 0.86 one (else it is that run, ``same_run_as`` in the report); the online
+controller started dense; and the random-reward control (dense
 rollouts whose update learns from coin flips with the batch's mean reward: a held-out gain there is
 not from the reward).
 Resumable arm by arm and seed by seed. Writes ``runs/headline/report.json`` (per arm over seeds:
@@ -31,21 +32,26 @@ arm's final dense policy on 128 held-out prompts, paired (``study.final_eval_pro
 in 4 row groups cut at the reward horizon (``train.horizon_groups``: the same gradient, 1.84x
 faster); the key table's 6 pages always kept (``schedule.reserved_first``) and the sparse actor's
 exact statistics on every 4th step (``train.mismatch_every``); each calibrated schedule also keeps
->= 95% of the dense traces unbroken in every bin (``calibration.min_survival``). Measured at commit
-ba02069 (docs/results.md; 2 seeds, 108 min for the six arms on 2 cores by the study's ``wall_s``,
-each arm's time in ``report.json``): dense rollouts raise the dense held-out reward by 0.103 +-
-0.009 and the random-reward control changes it by -0.012 +- 0.009; the calibrated arms lag dense by
-0.036 +- 0.015 (tau = 0.86: 72% of the pages, pooled p5 >= 0.864 in every bin, rollouts 1.26x),
-0.026 +- 0.013 (0.75) and 0.022 +- 0.012 (0.92), the online arm by 0.075 +- 0.013 (89%). With p5
-alone (``--config.calibration.min_survival=0``, commit bf7ed17) they lagged by 0.060 / 0.079 / 0.051.
+>= 95% of the dense policy's unbroken greedy traces in every bin (``calibration.min_survival``,
+``calibration.survival_decoding``). Measured at commit 1d3eeff (docs/results.md; 2 seeds, 78 min on
+2 cores by the study's ``wall_s``, each part's time in ``report.json``): dense rollouts raise the
+dense held-out reward by 0.103 +- 0.009 and the random-reward control changes it by -0.012 +-
+0.009; tau = 0.86, 0.75 and 0.92 derive one schedule, 6 / 12 / 24 / 96 / 96 / 96 pages (the study
+trains it once), which lags dense by 0.010 +- 0.008 (within max(1 SE, 20% of the gain) = 0.021;
+pooled p5 >= 0.998 in every bin) at 92% of the pages (rollouts 1.00x); the online arm lags by 0.075
++- 0.013 (89%). With survival counted on sampled rows (``survival_decoding="sampled"``, commit
+ba02069) the tau = 0.86 arm kept 72% of the pages (rollouts 1.26x) and lagged by 0.036 +- 0.015; with
+p5 alone (``--config.calibration.min_survival=0``, commit bf7ed17) the arms at tau = 0.86 / 0.75 /
+0.92 lagged by 0.060 / 0.079 / 0.051.
 
 The warm-up below ships (sparrow_jax/sft/checkpoints/headline; ``--noshipped`` retrains it, ~40
 min on 2 cores): a 2200-step dense curriculum, then a 300-step refine on the task's rows whose loss
 adds the sparse actor's NLL (every layer sparse, 8 pages). Dense greedy reward on 32 held-out
 prompts 0.96 / 0.82 / 0.57 at 60 / 120 / 240 lines; sampled (temperature 1, 4 per prompt) 0.26 at
 the RL length. Calibrated at tau = 0.86 with every layer sparse, the table kept, and the survival
-rule, the schedule selects 6 / 12 / 24 / 24 / 24 / 32 pages (besides the 6 kept and the last 2)
-in the bins from 0 / 256 / ... / 1280 and passes validation on fresh prompts (p5 0.843 or more). Arms that have only the first page kept, as before d15684b:
+rule on greedy traces, the schedule selects 6 / 12 / 24 / 96 / 96 / 96 pages (besides the 6 kept
+and the last 2) in the bins from 0 / 256 / ... / 1280 and passes validation on fresh prompts (p5
+0.996 or more). Arms that have only the first page kept, as before d15684b:
 ``--config.schedule.reserved_first=1`` (docs/results.md).
 """
 from configs.common import study_config

@@ -9,6 +9,10 @@ going or was killed: the figures are those of the steps logged so far. A study's
 (``config.json`` with a ``study`` block) gets one column per arm that has logged steps (per arm and
 seed with several ``study.seeds``), then its paired final evaluation when ``final_eval.json`` holds
 one (:mod:`sparrow_jax.run.final_eval`).
+
+Several workdirs (``python -m experiments.summary runs/headline runs/headline_seed2``): each one's
+summary, then their final evaluations merged into one paired evaluation over all their seeds
+(:func:`~sparrow_jax.run.final_eval_figures.merge_records`: seeds run as separate studies).
 """
 from __future__ import annotations
 
@@ -22,10 +26,10 @@ from absl import app
 
 from sparrow_jax.io.metrics import read_histograms, read_metrics
 from sparrow_jax.io.plots import plot_curves
-from sparrow_jax.run.final_eval_figures import FINAL_EVAL_FILE, format_final_eval, paired_figures
+from sparrow_jax.run.final_eval_figures import FINAL_EVAL_FILE, format_final_eval, merge_records, paired_figures
 from sparrow_jax.run.report import generated_tokens_per_s, reward_window, training_report, training_rows
 
-USAGE = "usage: python -m experiments.summary <workdir>"
+USAGE = "usage: python -m experiments.summary <workdir> [<workdir> ...]"
 
 
 def _read_json(path: str) -> Optional[dict]:
@@ -164,18 +168,33 @@ def final_evaluation(workdir: str) -> str:
     return "\n" + "\n".join(format_final_eval(paired_figures(data)))
 
 
+def merged_final_evaluation(workdirs: list[str]) -> str:
+    """The final evaluations of ``workdirs`` (those that have one) merged into one paired evaluation;
+    empty when fewer than two have one."""
+    records = {w: r for w in workdirs if (r := _read_json(os.path.join(w, FINAL_EVAL_FILE))) and r.get("runs")}
+    if len(records) < 2:
+        return ""
+    figures = paired_figures(merge_records(records))
+    return "\n".join([f"[final eval] merged over {', '.join(records)}:"] + format_final_eval(figures))
+
+
 def main(argv: list[str]) -> None:
-    if len(argv) != 2:
+    workdirs = argv[1:]
+    if not workdirs:
         print(f"error: {USAGE}", file=sys.stderr)
         sys.exit(2)
     try:
-        text, plot = summarize(argv[1])
-    except FileNotFoundError as e:
+        for workdir in workdirs:
+            text, plot = summarize(workdir)
+            print(text if len(workdirs) == 1 else f"== {workdir}\n{text}")
+            if plot:
+                print(f"plot: {plot}")
+        merged = merged_final_evaluation(workdirs) if len(workdirs) > 1 else ""
+    except (FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
-    print(text)
-    if plot:
-        print(f"plot: {plot}")
+    if merged:
+        print(merged)
 
 
 if __name__ == "__main__":

@@ -154,3 +154,29 @@ def test_a_finished_study_continues_only_to_add_its_final_evaluation(tmp_path):
     assert final_eval_pending(new, {"steps": 2}) and final_eval_pending(new, {"final_eval": {"prompts": 3, "steps": 2}})
     assert final_eval_pending(new, {"final_eval": {"prompts": 64, "steps": 1}})  # arms continued since
     assert not final_eval_pending(new, {"final_eval": {"prompts": 64, "steps": 2}}) and not final_eval_pending(old, {})
+
+
+def test_merge_records_joins_seeds_run_as_separate_studies():
+    """Seeds 0-1 in one study and seed 2 in another, both with the same start evaluation: the merge
+    gives the figures of one record holding all three; a different setting or a disagreeing run is
+    refused, naming the workdirs."""
+    from sparrow_jax.run.final_eval_figures import merge_records
+
+    rng = np.random.default_rng(0)
+    per_prompt = lambda: {"reward_mean@2": rng.uniform(0, 1, 4).tolist(), "reward_greedy": [1.0] * 4}  # noqa: E731
+    start = per_prompt()
+    runs = {"start": start, **{f"{a}/seed_{s}": per_prompt() for a in ("dense", "calibrated") for s in (0, 1, 2)}}
+    setting = {"prompts": 4, "k": 2, "seed": 0, "steps": 10}
+    first = dict(setting, runs={n: v for n, v in runs.items() if not n.endswith("seed_2")})
+    second = dict(setting, runs={n: v for n, v in runs.items() if n == "start" or n.endswith("seed_2")},
+                  seconds={"start": 1.0})
+    merged = merge_records({"a": first, "b": second})
+    assert merged == dict(setting, runs=runs)
+    assert paired_figures(merged) == paired_figures(dict(setting, runs=runs))
+    with pytest.raises(ValueError, match="^b: final evaluation k=4 where a has 2"):
+        merge_records({"a": first, "b": dict(second, k=4)})
+    other_start = dict(second, runs=dict(second["runs"], start=per_prompt()))
+    with pytest.raises(ValueError, match="b and a both evaluated 'start', with different rewards"):
+        merge_records({"a": first, "b": other_start})
+    with pytest.raises(ValueError, match="no final evaluation"):
+        merge_records({})

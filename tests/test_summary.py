@@ -93,6 +93,33 @@ def test_study_with_seeds_gets_a_column_per_arm_and_seed(tmp_path):
     assert "calibrated: end 0.400±0.100, change +0.100±0.000, vs dense -0.050±0.050 (seeds [0])" in final[2]
 
 
+def test_several_workdirs_get_their_final_evaluations_merged(tmp_path, capsys):
+    """Two studies (seeds 0 and 1 run apart): each one's table, then one paired evaluation over both
+    seeds; two that evaluated the start policy differently are one error line and exit 2."""
+    from experiments.summary import main
+
+    per_prompt = lambda *r: {"reward_mean@2": list(r), "reward_greedy": list(r)}  # noqa: E731
+    for seed in (0, 1):
+        study = tmp_path / f"seed{seed}"
+        _log_run(study, 0, study={"arms": ["dense", "calibrated"], "seeds": [seed]})
+        _log_steps(study / "dense", 2)
+        (study / "final_eval.json").write_text(json.dumps({"prompts": 2, "k": 2, "seed": 0, "steps": 4, "runs": {
+            "start": per_prompt(0.2, 0.4), f"dense/seed_{seed}": per_prompt(0.3, 0.6),
+            f"calibrated/seed_{seed}": per_prompt(0.3, 0.5 - 0.1 * seed)}}))
+    main(["summary", str(tmp_path / "seed0"), str(tmp_path / "seed1")])
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == f"== {tmp_path / 'seed0'}" and f"== {tmp_path / 'seed1'}" in out
+    merged = out[out.index(f"[final eval] merged over {tmp_path / 'seed0'}, {tmp_path / 'seed1'}:"):]
+    assert "vs dense -0.075" in merged[-1] and "(seeds [0, 1])" in merged[-1]  # (-0.05 - 0.10) / 2
+    record = json.loads((tmp_path / "seed1" / "final_eval.json").read_text())
+    record["runs"]["start"] = per_prompt(0.2, 0.5)
+    (tmp_path / "seed1" / "final_eval.json").write_text(json.dumps(record))
+    proc = subprocess.run([sys.executable, "-m", "experiments.summary", str(tmp_path / "seed0"),
+                           str(tmp_path / "seed1")], capture_output=True, text=True)
+    assert proc.returncode == 2 and len(proc.stderr.splitlines()) == 1
+    assert proc.stderr.startswith("error: ") and "both evaluated 'start'" in proc.stderr
+
+
 def test_phase_seconds_is_the_median_after_the_first_step():
     rows = [{"timing_s/gen": 9.0}, {"timing_s/gen": 1.0}, {"timing_s/gen": 3.0}, {"timing_s/gen": 2.0}]
     assert phase_seconds(rows) == {"gen": 2.0} and phase_seconds(rows[:1]) == {"gen": 9.0}

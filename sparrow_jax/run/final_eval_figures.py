@@ -64,6 +64,35 @@ def paired_figures(data: dict) -> dict:
     return out
 
 
+MERGED_SETTINGS = ("prompts", "k", "seed", "steps")  # what records must share to be merged
+
+
+def merge_records(records: dict[str, dict]) -> dict:
+    """Several studies' final evaluations as one, e.g. seeds run in separate workdirs (``records``:
+    workdir -> its ``final_eval.json`` content). They must share the evaluation setting
+    (:data:`MERGED_SETTINGS`: prompts, samples, sampling key, steps) and agree on every run two of
+    them hold, the start policy above all (the same policy on the same prompts with the same key
+    scores the same). -> one record over the union of their runs, for :func:`paired_figures`.
+    Raises ValueError naming the workdirs that disagree."""
+    if not records:
+        raise ValueError("merge_records: no final evaluation to merge")
+    (first_name, first), *rest = records.items()
+    merged = {k: first.get(k) for k in MERGED_SETTINGS}
+    runs, origin = dict(first["runs"]), dict.fromkeys(first["runs"], first_name)
+    for name, record in rest:
+        for k in MERGED_SETTINGS:
+            if record.get(k) != merged[k]:
+                raise ValueError(f"{name}: final evaluation {k}={record.get(k)!r} where {first_name} has "
+                                 f"{merged[k]!r}: not the same evaluation")
+        for run, values in record["runs"].items():
+            if run in runs and runs[run] != values:
+                raise ValueError(f"{name} and {origin[run]} both evaluated {run!r}, with different rewards: not "
+                                 "the same policy on the same prompts")
+            runs.setdefault(run, values)
+            origin.setdefault(run, name)
+    return dict(merged, runs=runs)
+
+
 def format_final_eval(figures: dict) -> list[str]:
     """The figures of :func:`paired_figures` as one line per arm (the mean@k metric)."""
     metric = f"reward_mean@{figures['k']}"

@@ -197,7 +197,9 @@ def study_pending(spec: RunSpec, report: dict) -> bool:
 def run_study(spec: RunSpec) -> dict:
     """Train every (arm, seed) of ``study.arms`` x :func:`study_seeds` not yet finished (arm by arm,
     seed by seed), calibrating ``calibrated_low`` / ``calibrated_high`` at ``study.low_tau`` /
-    ``study.high_tau`` first when it has no schedule, then write ``<workdir>/report.json`` (the table under ``arms``, :func:`arm_summary` per arm, and
+    ``study.high_tau`` first when it has no schedule (one whose schedule equals the calibrated arm's,
+    :func:`same_schedule`, is that arm's run: trained and evaluated once, marked ``same_run_as``),
+    then write ``<workdir>/report.json`` (the table under ``arms``, :func:`arm_summary` per arm, and
     with ``study.final_eval_prompts`` the paired final evaluation under ``final_eval``,
     :mod:`sparrow_jax.run.final_eval`), ``study.png`` (the first seed's steps) and ``headline.png``
     from the arms' logs."""
