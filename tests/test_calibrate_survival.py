@@ -1,5 +1,7 @@
 """Calibration's survival rule (``calibration.min_survival``): the per-bin counts of traces that reach
 a bin and break there, against a position-by-position reference, and the rule in the schedule."""
+import dataclasses
+
 import jax
 import numpy as np
 import pytest
@@ -133,45 +135,70 @@ def test_calibrate_counts_survival_from_the_horizon_mask():
 
 
 def test_calibrate_counts_survival_on_one_greedy_trace_of_each_survival_prompt():
-    """With ``survival_prompts`` the counts come from one greedy trace of each of them (not the tail's
-    sampled rows, twice each): a horizon 5 + (row % 3) tokens into each completion gives the counts
-    by hand, whatever the batch split (the mask reads each batch's first row)."""
+    """With ``survival_prompts`` the counts come from one greedy trace of each of them, decoded by the
+    sparse actor (not the tail's sampled rows, twice each): horizons of 3 / 13 / 23 tokens by row
+    give the counts by hand, whatever the batch split (the mask reads each batch's first row), and
+    the table grows to the bin the survival rows reach beyond the tail's."""
+    from sparrow_jax.rollout import generate
+
     config = tiny_config(num_hidden_layers=2, vocab_size=64)
-    params = init_params(config, seed=3)
+    params, actor = init_params(config, seed=3), init_params(config, seed=4)
     rng = np.random.RandomState(1)
-    prompts = [list(rng.randint(3, 64, n)) for n in (20, 60) * 4]
-    survival_prompts = [list(rng.randint(3, 64, n)) for n in (30, 62, 100) * 6]  # 18 rows
+    prompts = [list(rng.randint(3, 64, n)) for n in (20, 30) * 4]  # the tail: positions < 64, bin 0 only
+    survival_prompts = [list(rng.randint(3, 64, (40, 60, 100)[i % 3])) for i in range(36)]
     sampling = SamplingParams(max_new_tokens=24, temperature=1.0)
-    horizon = lambda row: 5 + row % 3  # noqa: E731
+    horizon = lambda row: 3 + 10 * ((row // 3) % 3)  # noqa: E731  every (length, horizon) pair, 4 rows each
+    traces = []
 
     def first_tokens(rollout, first):
+        traces.append((first, np.asarray(rollout.tokens)))
         comp = rollout.completion_mask
         rows = first + np.arange(comp.shape[0])[:, None]
         return comp & (np.cumsum(comp, axis=1) <= horizon(rows))
 
     res = C.calibrate(config, params, prompts, (0, 32), 0.5, BASE, sampling, 2, jax.random.PRNGKey(0),
                       min_count=10, min_survival=0.9, horizon_mask=first_tokens, survival_prompts=survival_prompts,
-                      batch_size=4)
+                      batch_size=8, sparse_params=actor)
     table = res["table"]
-    n_bins = len(table["bin_starts"])
-    want_reached, want_ended = np.zeros(n_bins, int), np.zeros(n_bins, int)
+    assert table["bin_starts"] == [0, 64]  # bin 1: the survival rows' only
+    want_reached, want_ended = np.zeros(2, int), np.zeros(2, int)
     for row, p in enumerate(survival_prompts):  # loss tokens at query positions len-1 .. len+h-2
         n, h = len(p), horizon(row)
         for b in sorted({q // 64 for q in range(n - 1, n + h - 1)}):
             want_reached[b] += 1
-        want_ended[(n + h - 2) // 64] += 1
+        want_ended[(n + h - 2) // 64] += 1  # every horizon ends before the 24-token completion
+    assert want_reached.tolist() == [24, 20] and want_ended.tolist() == [16, 20]
     for i in range(2):
         assert table["reached"][i] == want_reached.tolist()
-        share = [None if r < C.MIN_SURVIVAL_ROWS else 1.0 - e / r for r, e in zip(want_reached, want_ended)]
-        assert table["survival"][i] == pytest.approx(share)
+        assert table["survival"][i] == pytest.approx([1 / 3, 0.0])
     assert res["schedule"].meta["survival_decoding"] == "greedy"
-    # greedy traces draw no random numbers: another batch split counts the same
-    one = C.measure_survival(config, params, survival_prompts, C.fixed_schedule(BASE, 0), sampling, first_tokens,
+    # the traces are the sparse actor's greedy ones under each budget, in row order
+    greedy = dataclasses.replace(sampling, temperature=0.0)
+    for j, k in enumerate((0, 32)):
+        for first, tokens in traces[j * 5:(j + 1) * 5]:
+            want = generate(config, actor, survival_prompts[first:first + 8], jax.random.PRNGKey(9), greedy,
+                            schedule=C.fixed_schedule(BASE, k))
+            np.testing.assert_array_equal(tokens, want.tokens)
+    # another batch split counts the same
+    one = C.measure_survival(config, actor, survival_prompts, C.fixed_schedule(BASE, 0), sampling, first_tokens,
                              batch_size=64)
-    assert one["reached"][:n_bins].tolist() == want_reached.tolist()
-    assert one["ended"][:n_bins].tolist() == want_ended.tolist()
+    assert one["reached"][:2].tolist() == want_reached.tolist() and one["ended"][:2].tolist() == want_ended.tolist()
     with pytest.raises(ValueError, match="survival_prompts needs horizon_mask"):
         C.calibrate(config, params, prompts, (0,), 0.5, BASE, sampling, 1, jax.random.PRNGKey(0),
                     survival_prompts=survival_prompts)
     with pytest.raises(ValueError, match="at least one prompt"):
         C.measure_survival(config, params, [], BASE, sampling, first_tokens)
+
+
+def test_a_bin_without_tail_tokens_keeps_the_budgets_the_survival_rule_allows():
+    """Bin 2 has no tail tokens (inherited) but its survival is measured: the rule still raises it;
+    bin 3, measured by neither, inherits bin 2's budget."""
+    nan = np.nan
+    survival = np.array([[0.99, 0.99, 0.50, nan], [0.99, 0.99, 0.90, nan], [0.99, 0.99, 0.95, nan]])
+    count = np.array([[50, 50, 0, 0]] * 3)
+    got = C.derive_topk(CFG, (1, 2, 4), np.full((3, 4), 0.99), count, 0.86, BASE, min_count=10, num_samples=4,
+                        prompt_len=8, gen_len=4 * 64, survival=survival, min_survival=0.9)
+    assert got["topk"] == [1, 1, 2, 2] and got["inherited_bins"] == [2, 3]
+    off = C.derive_topk(CFG, (1, 2, 4), np.full((3, 4), 0.99), count, 0.86, BASE, min_count=10, num_samples=4,
+                        prompt_len=8, gen_len=4 * 64, survival=survival, min_survival=0.0)
+    assert off["topk"] == [1, 1, 1, 1]

@@ -180,3 +180,12 @@ def test_merge_records_joins_seeds_run_as_separate_studies():
         merge_records({"a": first, "b": other_start})
     with pytest.raises(ValueError, match="no final evaluation"):
         merge_records({})
+    # an arm one study reused as another's run: its figures are that run's; a study that trained it is refused
+    reused = dict(first, same_run_as={"calibrated_low": "calibrated"})
+    merged = merge_records({"a": reused, "b": second})
+    fig = paired_figures(merged)["reward_mean@2"]["arms"]
+    assert fig["calibrated_low"] == fig["calibrated"] and fig["calibrated"]["seeds"] == [0, 1, 2]
+    trained = dict(second, runs=dict(second["runs"], **{"calibrated_low/seed_2": per_prompt()}))
+    with pytest.raises(ValueError, match="a: its 'calibrated_low' is the 'calibrated' arm's run, while another study "
+                                         "trained it"):
+        merge_records({"a": reused, "b": trained})

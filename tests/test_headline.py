@@ -331,10 +331,13 @@ def test_two_seed_study_resumes_seed_by_seed_and_calibrates_the_low_arm(tmp_path
     assert report["final_eval"]["reward_mean@4"]["arms"]["calibrated_high"]["vs_dense"] == pytest.approx(-0.05)
 
 
-def test_an_other_tau_arm_with_the_calibrated_schedule_reuses_the_calibrated_run(tmp_path, monkeypatch):
+@pytest.mark.parametrize("arms", [("dense", "calibrated", "calibrated_low", "calibrated_high"),
+                                  ("dense", "calibrated_low", "calibrated", "calibrated_high")])
+def test_an_other_tau_arm_with_the_calibrated_schedule_reuses_the_calibrated_run(tmp_path, monkeypatch, arms):
     """calibrated_low derives the calibrated arm's schedule (labels aside): it is the same run, so the
-    study trains and evaluates it once, reports it under both names (marked), and counts its time
-    once; calibrated_high's differs and trains."""
+    study trains and evaluates it once (first, when it comes before the calibrated arm), reports it
+    under both names (marked, and in final_eval.json), and counts its time once; calibrated_high's
+    schedule differs and trains."""
     from sparrow_jax.rollout import SparsitySchedule
     from sparrow_jax.run import study
 
@@ -342,7 +345,7 @@ def test_an_other_tau_arm_with_the_calibrated_schedule_reuses_the_calibrated_run
         topk = 4 if workdir.endswith("calibrated_high") else 2
         return dataclasses.replace(SparsitySchedule.fixed(topk), name=os.path.basename(workdir), meta={"w": workdir})
 
-    cfg = _config(arms=("dense", "calibrated", "calibrated_low", "calibrated_high"), final_eval_prompts=2)
+    cfg = _config(arms=arms, final_eval_prompts=2)
     cfg.workdir, cfg.steps = str(tmp_path), 2
     (tmp_path / "schedule.json").write_text("{}")
     _, trained, calibrations, _ = _stub_study(monkeypatch, tmp_path, schedules)
@@ -367,6 +370,7 @@ def test_an_other_tau_arm_with_the_calibrated_schedule_reuses_the_calibrated_run
     assert arms["calibrated_low"]["same_run_as"] == "calibrated" and "same_run_as" not in arms["calibrated_high"]
     assert arms["calibrated_low"]["reward_end"] == arms["calibrated"]["reward_end"]
     assert set(evaluated[0]) == {"dense", "calibrated", "calibrated_high"}
+    assert json.loads((tmp_path / "final_eval.json").read_text())["same_run_as"] == {"calibrated_low": "calibrated"}
     fig = report["final_eval"]["reward_mean@4"]["arms"]
     assert fig["calibrated_low"]["vs_dense"] == fig["calibrated"]["vs_dense"] == pytest.approx(0.05)
     # headline.png draws the run once, named for both arms, with the calibrated arm's tau

@@ -30,6 +30,7 @@ Conventions:
     The counts come from the tail's sampled rows, or (``survival_prompts``) from one greedy trace
     per prompt: sampled traces break on their own within a few hundred positions, so few reach the
     late bins, while greedy traces (the policy's own best, which RL sharpens it toward) reach them.
+    A bin without tail tokens that the survival rows measured keeps the budgets the rule allows.
     Conditioned on reaching the bin, the share depends mostly on the bin's own budget, so a
     schedule's whole-trace survival is roughly the product of its bins' shares. The validation on
     fresh prompts checks p5 only.
@@ -230,21 +231,28 @@ def derive_topk(config: Qwen3Config, budgets: Sequence[int], p5: np.ndarray, cou
         raise ValueError(f"min_survival: expected a value in [0, 1], got {min_survival}")
     if survival_unmeasured not in SURVIVAL_UNMEASURED:
         raise ValueError(f"survival_unmeasured: expected one of {SURVIVAL_UNMEASURED}, got {survival_unmeasured!r}")
+    keeps = np.ones_like(feasible)  # the survival rule's verdict per cell (True where it does not apply)
+    survival_measured = np.zeros(p5.shape[1], bool)
     if min_survival > 0:
         if survival is None or np.shape(survival) != p5.shape:
             raise ValueError(f"min_survival > 0 needs survival of shape {p5.shape}, got "
                              f"{None if survival is None else np.shape(survival)}")
         survival = np.asarray(survival, np.float64)
         reference = survival[-1]
-        keeps = np.nan_to_num(survival, nan=-1.0) >= min_survival * reference
+        survival_measured = ~np.isnan(reference)
         unknown = np.arange(len(ks))[:, None] == len(ks) - 1 if survival_unmeasured == "largest" else True
-        feasible &= np.where(np.isnan(reference)[None, :], unknown, keeps)
+        keeps = np.where(survival_measured[None, :], np.nan_to_num(survival, nan=-1.0) >= min_survival * reference,
+                         unknown)
+        feasible &= keeps
     measured = reliable.any(axis=0)
     flagged = [b for b in range(p5.shape[1]) if measured[b] and not feasible[:, b].any()]
     for b in flagged:
         feasible[-1, b] = True  # nothing reaches tau: the largest budget, flagged
     inherited = [b for b in range(p5.shape[1]) if not measured[b]]
-    feasible[:, inherited] = True  # any budget: the optimiser keeps the previous bin's (cheapest)
+    # no tail there: any budget (the optimiser keeps the previous bin's, cheapest), or, where the
+    # survival rows measured the bin (greedy traces reach bins the sampled tail may not), those that keep them
+    for b in inherited:
+        feasible[:, b] = keeps[:, b] if survival_measured[b] else True
     if not measured.any():
         raise ValueError(f"no bin has >= {min_count} completion tokens for any budget; "
                          f"sample more prompts or lower min_count")
@@ -323,6 +331,9 @@ def calibrate(config: Qwen3Config, params: Params, prompts: Sequence[Sequence[in
                   f"{np.min(m['p']):.4f}, {m['seconds']:.1f}s", flush=True)
     n_bins = 1 + max(int(m["bin_starts"].max()) // schedule_base.bin_width for m in measured.values()
                      if m["bin_starts"].size)
+    if greedy:  # greedy traces may reach bins the tail's sampled rows did not: the table spans those too
+        n_bins = max([n_bins] + [int(np.flatnonzero(m["reached"])[-1]) + 1 for m in measured.values()
+                                 if m["reached"].any()])
     p5 = np.full((len(ks), n_bins), np.nan)
     mean = np.full((len(ks), n_bins), np.nan)
     count = np.zeros((len(ks), n_bins), np.int64)

@@ -27,6 +27,18 @@ def _paired(pairs: list[tuple[np.ndarray, Optional[np.ndarray]]]) -> tuple[Optio
     return combine_seeds([m for m, _ in stats], [s for _, s in stats])
 
 
+def _with_same_runs(data: dict) -> dict[str, dict]:
+    """``data["runs"]`` and, for every arm of ``data["same_run_as"]`` (arm -> the arm whose runs it
+    reuses, :mod:`sparrow_jax.run.study`), those runs under its name."""
+    runs = dict(data["runs"])
+    for arm, source in data.get("same_run_as", {}).items():
+        for name, values in data["runs"].items():
+            owner, _, seed = name.rpartition("/seed_")
+            if owner == source:
+                runs[run_name(arm, int(seed))] = values
+    return runs
+
+
 def paired_figures(data: dict) -> dict:
     """The final evaluation's figures from :func:`evaluate_final`'s record (the runs evaluated so far;
     the start policy is one entry, or one per seed).
@@ -35,8 +47,9 @@ def paired_figures(data: dict) -> dict:
     "change", "change_se", "vs_dense", "vs_dense_se"}}}}`` for ``reward_mean@k`` and
     ``reward_greedy``: ``change`` is the end minus the start policy's reward on the same prompts,
     ``vs_dense`` the arm's minus the dense arm's at the same seed (absent for the dense arm or without
-    it); every error is over prompts and seeds (:func:`_paired`)."""
-    runs = data["runs"]
+    it); every error is over prompts and seeds (:func:`_paired`). Arms of ``data["same_run_as"]``
+    get the figures of the runs they reuse."""
+    runs = _with_same_runs(data)
     start_of = lambda seed: START if START in runs else run_name(START, seed)  # noqa: E731
     done: dict[str, list[int]] = {}
     for name in runs:
@@ -86,11 +99,18 @@ def merge_records(records: dict[str, dict]) -> dict:
                                  f"{merged[k]!r}: not the same evaluation")
         for run, values in record["runs"].items():
             if run in runs and runs[run] != values:
-                raise ValueError(f"{name} and {origin[run]} both evaluated {run!r}, with different rewards: not "
-                                 "the same policy on the same prompts")
+                raise ValueError(f"{name} and {origin[run]} both evaluated {run!r}, with different rewards (compared "
+                                 "exactly): not the same policy on the same prompts")
             runs.setdefault(run, values)
             origin.setdefault(run, name)
-    return dict(merged, runs=runs)
+    same_run: dict[str, str] = {}
+    for name, record in records.items():
+        for arm, source in record.get("same_run_as", {}).items():
+            trained = [run for run in runs if run.rpartition("/seed_")[0] == arm]
+            if same_run.setdefault(arm, source) != source or trained:
+                raise ValueError(f"{name}: its {arm!r} is the {source!r} arm's run, while another study "
+                                 f"{'trained it' if trained else 'reused another arm'}: not the same arm")
+    return dict(merged, runs=runs, **({"same_run_as": same_run} if same_run else {}))
 
 
 def format_final_eval(figures: dict) -> list[str]:

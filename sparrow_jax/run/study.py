@@ -32,7 +32,7 @@ from sparrow_jax.rl.trainer import TrainResult, train
 from sparrow_jax.run.calibration import calibrate_run
 from sparrow_jax.run.context import build_run_context, build_schedule
 from sparrow_jax.run.final_eval import evaluate_final, final_eval_pending
-from sparrow_jax.run.final_eval_figures import format_final_eval, paired_figures, run_name
+from sparrow_jax.run.final_eval_figures import FINAL_EVAL_FILE, format_final_eval, paired_figures
 from sparrow_jax.run.headline import SeedRun, arm_summary, relative_step_time
 from sparrow_jax.run.study_plots import plot_headline, plot_study
 from sparrow_jax.run.report import (generated_tokens_per_s, reward_start_end, reward_window, training_report,
@@ -210,15 +210,17 @@ def run_study(spec: RunSpec) -> dict:
     runs: dict[str, dict[int, SeedRun]] = {}
     same_run: dict[str, str] = {}  # arm -> the earlier arm whose run it is
     for arm in spec.study.arms:
+        if arm in runs:  # the calibrated arm, run early for an arm before it that is its run
+            continue
         if arm in _OTHER_TAU:
             other = _tau_calibration_spec(spec, arm)
             if not os.path.exists(os.path.join(other.workdir, "schedule.json")):
                 calibrate_run(other)
-            if "calibrated" in runs and same_schedule(build_schedule(_arm_spec(spec, arm).schedule, other.workdir),
-                                                      calibrated):
-                # tau enters only the reports: the same schedule and seeds train the same policies
+            if _is_calibrated_run(spec, arm, other.workdir, calibrated):
                 print(f"[arm] {arm}: its schedule is the calibrated arm's (top-k {list(calibrated.topk)}): "
                       "the same run", flush=True)
+                if "calibrated" not in runs:
+                    runs["calibrated"] = {seed: _run_arm(spec, "calibrated", seed, calibrated) for seed in seeds}
                 same_run[arm], runs[arm] = "calibrated", runs["calibrated"]
                 continue
         runs[arm] = {seed: _run_arm(spec, arm, seed, calibrated) for seed in seeds}
@@ -253,13 +255,22 @@ def run_study(spec: RunSpec) -> dict:
         workdirs = {a: {s: _arm_spec(spec, a, s).workdir for s in seeds} for a in runs if a not in same_run}
         evaluated = evaluate_final(spec, workdirs)
         final_eval_s = _sum_known(evaluated.get("seconds", {}).get(name) for name in evaluated["runs"])
-        evaluated["runs"].update({run_name(a, s): evaluated["runs"][run_name(b, s)]  # the same policies
-                                  for a, b in same_run.items() for s in seeds})
+        if same_run:  # recorded beside the runs, so that readers of the file (summary, merges) see those arms
+            evaluated["same_run_as"] = dict(same_run)
+            atomic_write_json(os.path.join(spec.workdir, FINAL_EVAL_FILE), evaluated)
         report["final_eval"] = paired_figures(evaluated)
     report["wall_s"] = study_wall_seconds(spec, runs, final_eval_s, reused=set(same_run))
     atomic_write_json(os.path.join(spec.workdir, "report.json"), report)
     print_study(report)
     return report
+
+
+def _is_calibrated_run(spec: RunSpec, arm: str, schedule_dir: str, calibrated: SparsitySchedule) -> bool:
+    """Whether an arm of :data:`_OTHER_TAU` would train the calibrated arm's run: that arm is in the
+    study, their schedules agree, and no part of training reads tau (it enters only the reports,
+    except DistillSparse's switch to a sparser phase)."""
+    return ("calibrated" in spec.study.arms and not spec.distill.enabled
+            and same_schedule(build_schedule(_arm_spec(spec, arm).schedule, schedule_dir), calibrated))
 
 
 def same_schedule(a: Optional[SparsitySchedule], b: Optional[SparsitySchedule]) -> bool:
