@@ -39,10 +39,10 @@ dense held-out reward by 0.103 +- 0.009 and the random-reward control changes it
 0.009; tau = 0.86, 0.75 and 0.92 derive one schedule, 6 / 12 / 24 / 96 / 96 / 96 pages (the study
 trains it once), which lags dense by 0.010 +- 0.008 (pooled p5 >= 0.998 in every bin) at 92% of
 the pages (rollouts 1.00x), and by 0.022 +- 0.010 over five seeds (seeds 2-4 run as separate
-studies; the bound max(1 SE, 20% of the gain) is 0.020); the online arm lags by 0.075 +- 0.013 (89%). With survival counted on sampled rows (``survival_decoding="sampled"``, commit
-ba02069) the tau = 0.86 arm kept 72% of the pages (rollouts 1.26x) and lagged by 0.036 +- 0.015
-(0.032 +- 0.008 over five seeds); with
-p5 alone (``--config.calibration.min_survival=0``, commit bf7ed17) the arms at tau = 0.86 / 0.75 /
+studies; the bound max(1 SE, 20% of the gain) is 0.020); the online arm lags by 0.075 +- 0.013
+(89%). With survival counted on sampled rows (``survival_decoding="sampled"``, commit ba02069) the
+tau = 0.86 arm kept 72% of the pages (rollouts 1.26x) and lagged by 0.036 +- 0.015 (0.032 +- 0.008
+over five seeds); with p5 alone (``--config.calibration.min_survival=0``, commit bf7ed17) the arms at tau = 0.86 / 0.75 /
 0.92 lagged by 0.060 / 0.079 / 0.051.
 
 The warm-up below ships (sparrow_jax/sft/checkpoints/headline; ``--noshipped`` retrains it, ~40

@@ -61,7 +61,6 @@ from sparrow_jax.rollout.schedule import SparsitySchedule
 TokenMask = Callable[[Any, int], np.ndarray]
 DEFAULT_MIN_COUNT = 40  # tokens a bin needs before its 5th percentile is trusted
 SURVIVAL_UNMEASURED = ("free", "largest")  # a bin too few rows reach: p5 alone, or the largest budget
-SURVIVAL_DECODING = ("sampled", "greedy")  # the survival counts' rows: the tail's samples, or greedy traces
 MIN_SURVIVAL_ROWS = 16  # rows a (budget, bin) cell needs before its survival share counts: one row is <= 6% of it
 
 
@@ -98,6 +97,11 @@ def _scoring_temperature(sampling: SamplingParams) -> float:
     return sampling.temperature if sampling.temperature > 0 else 1.0
 
 
+def _position_bins(rows: Sequence[Sequence[int]], max_new_tokens: int, bin_width: int) -> int:
+    """Bins of ``bin_width`` positions that cover the longest row and its completion."""
+    return -(-(max(map(len, rows)) + max_new_tokens) // bin_width)
+
+
 def measure_tail(config: Qwen3Config, params: Params, prompts: Sequence[Sequence[int]],
                  schedule: SparsitySchedule, sampling: SamplingParams, samples_per_prompt: int,
                  key: jax.Array, percentile: float = 5.0, pad_id: int = 0, batch_size: int = 64,
@@ -132,7 +136,7 @@ def measure_tail(config: Qwen3Config, params: Params, prompts: Sequence[Sequence
     temperature = _scoring_temperature(sampling)
     comparable = sampling.temperature > 0 and sampling.top_k == 0 and sampling.top_p >= 1.0
     err, finished, t0 = 0.0, [], time.perf_counter()
-    n_bins = -(-(max(map(len, rows)) + sampling.max_new_tokens) // schedule.bin_width)
+    n_bins = _position_bins(rows, sampling.max_new_tokens, schedule.bin_width)
     reached, ended = np.zeros(n_bins, np.int64), np.zeros(n_bins, np.int64)
     for i in range(0, len(rows), batch_size):
         batch = rows[i:i + batch_size]
@@ -176,7 +180,7 @@ def measure_survival(config: Qwen3Config, params: Params, prompts: Sequence[Sequ
         raise ValueError("measure_survival needs at least one prompt")
     greedy = dataclasses.replace(sampling, temperature=0.0, top_k=0, top_p=1.0)
     rows, t0 = [list(p) for p in prompts], time.perf_counter()
-    n_bins = -(-(max(map(len, rows)) + sampling.max_new_tokens) // schedule.bin_width)
+    n_bins = _position_bins(rows, sampling.max_new_tokens, schedule.bin_width)
     reached, ended = np.zeros(n_bins, np.int64), np.zeros(n_bins, np.int64)
     for i in range(0, len(rows), batch_size):
         # greedy decoding draws no random numbers: the key is a formality

@@ -421,7 +421,8 @@ def validate(spec: RunSpec) -> None:
     _require(0 < spec.calibration.tau < 1, "calibration.tau", spec.calibration.tau, "must be in (0, 1)")
     _require(0 <= spec.calibration.min_survival <= 1, "calibration.min_survival", spec.calibration.min_survival,
              "must be in [0, 1] (0: off)")
-    # calibrate.SURVIVAL_UNMEASURED's and SURVIVAL_DECODING's values, spelled here: config parsing imports no jax module
+    # calibrate.SURVIVAL_UNMEASURED's values (and the decodings calibrate_run knows), spelled here: config
+    # parsing imports no jax module
     _require(spec.calibration.survival_unmeasured in ("free", "largest"), "calibration.survival_unmeasured",
              spec.calibration.survival_unmeasured, "must be one of ('free', 'largest')")
     _require(spec.calibration.survival_decoding in ("sampled", "greedy"), "calibration.survival_decoding",

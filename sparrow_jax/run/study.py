@@ -300,8 +300,9 @@ def study_wall_seconds(spec: RunSpec, runs: dict[str, dict[int, SeedRun]], final
     """Where a study's wall time went, in seconds: ``calibration`` (the main schedule's and each other
     tau's, from their ``calibration.json``), ``arms`` (arm -> seed -> its run's ``wall_s``: model
     build, compiles, steps, validations and the speedup measurement; the ``reused`` arms, another
-    arm's runs, are left out), ``final_eval`` (every policy's evaluation) and ``total``. A part not measured (an arm resumed from a checkpoint or finished
-    before runs recorded their time) is None, and so is every sum that holds it."""
+    arm's runs, are left out), ``final_eval`` (every policy's evaluation) and ``total``. A part not
+    measured (an arm resumed from a checkpoint or finished before runs recorded their time) is None,
+    and so is every sum that holds it."""
     calibration = {"calibrated": _calibration_seconds(spec.workdir)}
     calibration.update({a: _calibration_seconds(_tau_calibration_spec(spec, a).workdir) for a in runs if a in _OTHER_TAU})
     arms = {a: {str(s): run.report.get("wall_s") for s, run in by_seed.items()} for a, by_seed in runs.items()
@@ -328,7 +329,8 @@ def print_study(report: dict) -> None:
               f"{fmt(row.get('rollout_speedup'), '.2f')}x, step time vs dense "
               f"{fmt(row.get('step_time_vs_dense'), '.2f')}x, kept pages {fmt(row.get('kept_page_share'))}, "
               f"predicted cost {fmt(row.get('predicted_cost_end'))}"
-              + (f" (the {row['same_run_as']} arm's run: the same schedule)" if "same_run_as" in row else ""), flush=True)
+              + (f" (the {row['same_run_as']} arm's run: the same schedule)" if "same_run_as" in row else ""),
+              flush=True)
     if "final_eval" in report:
         print("\n".join(format_final_eval(report["final_eval"])), flush=True)
     wall = report.get("wall_s")
