@@ -123,13 +123,21 @@ def test_curriculum_and_final_rows_fit_their_lengths():
         assert tok.decode(tokens[b]).split("\n", 1)[0].count(";") == 100  # the task's whole table
 
 
-def test_a_tiny_recurrence_warmup_trains_and_reports_by_trace_length(tmp_path):
+def test_a_tiny_recurrence_warmup_trains_and_reports_by_trace_length(tmp_path, monkeypatch):
     """A tiny warm-up with a slip phase: the main phase is its base (its own cache entry), the slip
-    run continues it, and the meta reports both."""
+    run continues it with its own sparse loss, and the meta reports both."""
+    from sparrow_jax.sft import train_loop
+
+    steps_built = []
+    make_train_step = train_loop.make_train_step
+    monkeypatch.setattr(train_loop, "make_train_step",
+                        lambda *a, **kw: steps_built.append(kw) or make_train_step(*a, **kw))
     spec = _spec(min_lines=12, steps=3, batch_size=2, min_context=16, max_train_context=32, queries_per_example=1,
                  curriculum=((3, 32, 12, 2),), eval_lengths=(96,), eval_hops=(12,), eval_prompts=2,
-                 slip_steps=2, slip_batch_size=2, slip_prob=0.3, key_letters=1)
+                 slip_steps=2, slip_batch_size=2, slip_prob=0.3, slip_sparse_topk=1, slip_sparse_weight=0.5,
+                 slip_reserved_first=2, key_letters=1)
     path = warmup_model(spec.model, spec.task, cache_dir=str(tmp_path), progress=False)
+    assert steps_built[-1] == dict(sparse_topk=1, sparse_weight=0.5, sparse_reserved_first=2)  # the slip run's
     meta = read_warmup_meta(path)
     assert meta["task"] == dict(name="recurrence_trace", context_tokens=96, min_lines=12, far_every=10,
                                 gap_tokens=0, key_letters=1)
@@ -137,6 +145,7 @@ def test_a_tiny_recurrence_warmup_trains_and_reports_by_trace_length(tmp_path):
     assert 0.0 <= meta["accuracy_by_hops"]["12"]["reward"] <= 1.0 and os.path.isfile(os.path.join(path, "config.json"))
     base = read_warmup_meta(str(tmp_path / f"warmup-{meta['base_key']}"))
     assert meta["train"]["slip_steps"] == 2 and base["train"]["slip_steps"] == 0 and meta["slip_seconds"] > 0
+    assert (meta["train"]["slip_reserved_first"], base["train"]["slip_reserved_first"]) == (2, 1)
     assert meta["train_seconds"] > base["train_seconds"]
 
 
@@ -209,6 +218,51 @@ def test_slip_settings_are_checked_and_enter_the_key_only_when_set():
         continued_warmup(dict(knobs, name="pointer_trace", key_letters=1), slipped)
     with pytest.raises(ValueError, match="slips recurrence_trace's one-letter"):
         continued_warmup(knobs, slipped)  # two-letter keys
+
+
+def test_the_slip_runs_own_sparse_loss_is_checked_keyed_and_reaches_the_layout():
+    """slip_sparse_topk / slip_sparse_weight / slip_reserved_first: the slip run's sparse loss is the
+    refine's unless set; set without a slip run or with a weight but no top-k they are refused; they
+    enter the cache key only when set, and the slip run's base is the warm-up without them. The kept
+    first pages reach the sparse actor: with every page kept the sparse NLL is the dense one."""
+    import jax
+    import jax.numpy as jnp
+
+    from sparrow_jax.models.qwen3 import init_params
+    from sparrow_jax.sft.cache import warmup_key
+    from sparrow_jax.sft.curriculum import continued_warmup
+    from sparrow_jax.sft.settings import WarmupSettings, warmup_architecture
+    from sparrow_jax.sft.train_loop import sft_loss, slip_sparse_loss, warmup_sparse_layout
+
+    refine = WarmupSettings(refine_steps=5, refine_sparse_topk=8, refine_sparse_weight=1.0)
+    slipped = dataclasses.replace(refine, slip_steps=7, slip_prob=0.002)
+    own = dataclasses.replace(slipped, slip_sparse_topk=4, slip_sparse_weight=2.0, slip_reserved_first=6)
+    assert slip_sparse_loss(slipped) == dict(sparse_topk=8, sparse_weight=1.0, sparse_reserved_first=1)
+    assert slip_sparse_loss(own) == dict(sparse_topk=4, sparse_weight=2.0, sparse_reserved_first=6)
+    for bad in (dict(slip_sparse_topk=4), dict(slip_reserved_first=6), dict(slip_sparse_weight=1.0)):
+        with pytest.raises(ValueError, match="need slip_steps > 0"):
+            WarmupSettings(**bad)
+    for bad in (dict(slip_sparse_topk=-1), dict(slip_sparse_weight=-1.0), dict(slip_reserved_first=0)):
+        with pytest.raises(ValueError, match="slip_reserved_first >= 1"):
+            WarmupSettings(slip_steps=7, slip_prob=0.1, **bad)
+    with pytest.raises(ValueError, match="sparse loss weight needs a top-k"):
+        WarmupSettings(slip_steps=7, slip_prob=0.1, slip_sparse_weight=1.0)
+    config, knobs = warmup_architecture(_spec().model), dict(task_knobs(_spec().task), key_letters=1)
+    keys = {warmup_key(config, knobs, s) for s in (slipped, own, dataclasses.replace(own, slip_reserved_first=1))}
+    assert len(keys) == 3
+    assert continued_warmup(knobs, own) == continued_warmup(knobs, slipped) == ("slip", knobs, refine)
+
+    params = jax.tree.map(lambda w: 4.0 * w, init_params(config, seed=2))  # sharper attention than at init
+    tokens = jnp.asarray(np.random.default_rng(0).integers(3, config.vocab_size, size=(2, 160)), jnp.int32)
+    mask = np.zeros((2, 160), bool)
+    mask[0, 20:150], mask[1, 37:] = True, True
+    ref = float(sft_loss(config, params, tokens, jnp.asarray(mask))[1])
+    table = warmup_sparse_layout(config, 1, reserved_first=10)
+    assert (table.reserved_first, table.reserved_last, table.topk) == (10, 2, (1,))
+    loss = lambda layout: float(sft_loss(config, params, tokens, jnp.asarray(mask), sparse=layout,
+                                         sparse_weight=1.0)[0])
+    assert loss(table) == pytest.approx(2 * ref, rel=1e-5)  # 10 pages kept: every page of a 160-token row
+    assert abs(loss(warmup_sparse_layout(config, 1)) - 2 * ref) > 1e-2
 
 
 def test_the_configs_curriculum_rows_do_not_depend_on_the_rl_length():

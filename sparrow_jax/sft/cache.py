@@ -44,6 +44,9 @@ def warmup_key(config: Qwen3Config, knobs: dict[str, Any], settings: WarmupSetti
             del train[name]
     if not train["refine_sparse_weight"]:  # likewise without the refine phase's sparse loss
         del train["refine_sparse_weight"], train["refine_sparse_topk"]
+    for name, default in (("slip_sparse_topk", 0), ("slip_sparse_weight", 0.0), ("slip_reserved_first", 1)):
+        if train[name] == default:  # likewise with the slip run's sparse loss the refine's
+            del train[name]
     for phase in ("refine", "slip", "preamble"):  # likewise without a refine, slip or preamble phase
         if not train[f"{phase}_steps"]:
             for name in ("steps", "lr", "batch_size") + (("prob",) if phase == "slip" else ()):

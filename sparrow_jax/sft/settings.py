@@ -83,6 +83,15 @@ class WarmupSettings:
       more reliably, and RL barely moves them (docs/results.md); a warm-up that keeps
       ``slip_prob`` of its mass on the neighbouring key has a flaw its own samples expose, so the
       dense policy has room to learn, as a pretrained model's pass@k exceeds its pass@1.
+    slip_sparse_topk, slip_sparse_weight, slip_reserved_first: the slip run's sparse loss, where it
+      differs from the refine's: ``slip_sparse_topk`` selected pages (0: ``refine_sparse_topk``) at
+      weight ``slip_sparse_weight`` (0: ``refine_sparse_weight``), with the first
+      ``slip_reserved_first`` pages always kept (1: the sampler's default; a calibrated schedule's
+      ``schedule.reserved_first``, e.g. the pages of a key table, trains the layout it samples
+      with). Why: the refine's 8 pages with one kept taught a sparse actor that still needed
+      ~90% of the pages late in the headline's traces; a slip run at a tiny ``slip_prob`` (0.2%:
+      a second refine, in effect) at 4 pages, the table's 6 kept and weight 2 brings top-k 4's
+      p5 to >= 0.87 in every bin (docs/results.md).
     preamble_steps, preamble_lr, preamble_batch_size: for a task with ``preamble_tokens`` (required
       there, else 0): the warm-up of the same task without the preamble (all the settings above;
       found shipped, cached or trained by its own key), then a run of its own like the refine one
@@ -119,6 +128,9 @@ class WarmupSettings:
     slip_lr: float = 3e-4
     slip_batch_size: int = 4
     slip_prob: float = 0.0
+    slip_sparse_topk: int = 0
+    slip_sparse_weight: float = 0.0
+    slip_reserved_first: int = 1
     preamble_steps: int = 0
     preamble_lr: float = 1e-3
     preamble_batch_size: int = 4
@@ -146,6 +158,19 @@ class WarmupSettings:
             raise ValueError(f"warmup slip_steps must be >= 0, slip_batch_size and slip_lr positive, and slip_prob in "
                              f"[0, 1), > 0 exactly when slip_steps > 0; got steps {self.slip_steps}, batch size "
                              f"{self.slip_batch_size}, lr {self.slip_lr}, prob {self.slip_prob}")
+        if int(self.slip_sparse_topk) < 0 or not self.slip_sparse_weight >= 0.0 or int(self.slip_reserved_first) < 1:
+            raise ValueError(f"warmup slip_sparse_topk and slip_sparse_weight must be >= 0 and slip_reserved_first >= 1, "
+                             f"got {self.slip_sparse_topk}, {self.slip_sparse_weight} and {self.slip_reserved_first}")
+        slip_layout = (self.slip_sparse_topk, self.slip_sparse_weight, self.slip_reserved_first) != (0, 0.0, 1)
+        if slip_layout and not self.slip_steps:
+            raise ValueError(f"warmup slip_sparse_topk / slip_sparse_weight / slip_reserved_first set the slip run's "
+                             f"sparse loss and need slip_steps > 0, got slip_steps {self.slip_steps}")
+        if self.slip_steps and (self.slip_sparse_weight or self.refine_sparse_weight) and \
+                not (self.slip_sparse_topk or self.refine_sparse_topk):
+            raise ValueError(f"warmup slip run: a sparse loss weight needs a top-k (slip_ or refine_), got "
+                             f"slip_sparse_weight {self.slip_sparse_weight}, slip_sparse_topk {self.slip_sparse_topk}, "
+                             f"refine_sparse_weight {self.refine_sparse_weight}, refine_sparse_topk "
+                             f"{self.refine_sparse_topk}")
         if int(self.max_train_hops) < 0 or int(self.final_batch_size) <= 0:
             raise ValueError(f"warmup max_train_hops must be >= 0 and final_batch_size positive, got "
                              f"{self.max_train_hops} and {self.final_batch_size}")

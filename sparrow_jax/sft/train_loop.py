@@ -63,20 +63,23 @@ def sft_loss(config: Qwen3Config, params: Params, tokens: jax.Array, mask: jax.A
     return loss, ref
 
 
-def warmup_sparse_layout(config: Qwen3Config, topk: int) -> SparsitySchedule:
-    """The sparse actor of the refine phase's sparse loss: every layer sparse, ``topk`` selected
-    pages everywhere, the sampler's default pages (16 tokens; first page and last two kept)."""
+def warmup_sparse_layout(config: Qwen3Config, topk: int, reserved_first: int = 1) -> SparsitySchedule:
+    """The sparse actor of the refine (or slip) phase's sparse loss: every layer sparse, ``topk``
+    selected pages everywhere, pages of 16 tokens, the first ``reserved_first`` and the last two kept
+    (by default the sampler's layout)."""
     return SparsitySchedule(topk=(int(topk),), bin_width=config.max_position_embeddings, dense_layers=(),
-                            name=f"warmup-topk{int(topk)}")
+                            name=f"warmup-topk{int(topk)}", reserved_first=int(reserved_first))
 
 
 def make_train_step(config: Qwen3Config, optimizer: optax.GradientTransformation, prompt_weight: float = 0.0,
-                    lookup_weight: float = 0.0, sparse_topk: int = 0, sparse_weight: float = 0.0):
+                    lookup_weight: float = 0.0, sparse_topk: int = 0, sparse_weight: float = 0.0,
+                    sparse_reserved_first: int = 1):
     """One jitted step ``(params, opt_state, tokens, mask, prompt_mask) -> (params, opt_state, ref_nll)``
     (``lookup_weight``: extra weight of the tokens after ``=``; ``sparse_weight`` > 0: the sparse
-    actor's NLL at ``sparse_topk`` pages, see :func:`sft_loss`)."""
+    actor's NLL at ``sparse_topk`` pages with the first ``sparse_reserved_first`` kept, see
+    :func:`sft_loss`)."""
     eq = BuiltinTokenizer().encode("=")[0]
-    sparse = warmup_sparse_layout(config, sparse_topk) if sparse_weight else None
+    sparse = warmup_sparse_layout(config, sparse_topk, sparse_reserved_first) if sparse_weight else None
 
     def step(params, opt_state, tokens, mask, prompt_mask):
         (_, ref), grads = jax.value_and_grad(
@@ -147,6 +150,14 @@ def main_phase(config: Qwen3Config, knobs: dict[str, Any], settings: WarmupSetti
     return params, list(seq_lens.values())
 
 
+def slip_sparse_loss(settings: WarmupSettings) -> dict[str, Any]:
+    """:func:`make_train_step`'s sparse-loss arguments for the slip run: its own top-k and weight where
+    set (else the refine's) and its kept first pages."""
+    return dict(sparse_topk=settings.slip_sparse_topk or settings.refine_sparse_topk,
+                sparse_weight=settings.slip_sparse_weight or settings.refine_sparse_weight,
+                sparse_reserved_first=settings.slip_reserved_first)
+
+
 def continued_phase(config: Qwen3Config, knobs: dict[str, Any], settings: WarmupSettings, phase: str,
                     base_settings: WarmupSettings, params: Params, log: LossLog, progress: bool,
                     where: str) -> Params:
@@ -160,9 +171,11 @@ def continued_phase(config: Qwen3Config, knobs: dict[str, Any], settings: Warmup
         print(f"[warmup] {phase}: {n_steps} x {rows.final_batch_size} task rows of {final_len} tokens (peak lr "
               f"{lr:g}) on {where}", flush=True)
     optimizer = make_optimizer(settings, phase)
-    # the slip run keeps the refine's sparse loss: the sparse actor stays trained on the rows it samples
-    sparse = dict(sparse_topk=settings.refine_sparse_topk, sparse_weight=settings.refine_sparse_weight) \
-        if phase in ("refine", "slip") else {}
+    # the slip run keeps a sparse loss (the refine's unless its own is set): the sparse actor stays
+    # trained on the rows it samples
+    sparse = slip_sparse_loss(settings) if phase == "slip" else \
+        dict(sparse_topk=settings.refine_sparse_topk, sparse_weight=settings.refine_sparse_weight) \
+        if phase == "refine" else {}
     train_step = make_train_step(config, optimizer, settings.prompt_weight, settings.lookup_weight, **sparse)
     opt_state = optimizer.init(params)
     first = base_settings.steps + base_settings.refine_steps + base_settings.slip_steps  # rows past the base's
