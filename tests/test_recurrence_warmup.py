@@ -352,11 +352,13 @@ def test_lookup_weight_adds_the_nll_of_the_tokens_after_an_equals_sign():
     assert float(plain) == pytest.approx(ref_nll, rel=1e-5)
 
 
-def test_the_headline_warmup_ships_and_reads_the_table():
-    """configs/headline.py's warm-up ships: found by its settings' hash, trained with exactly the
-    config's settings on the config's task, small, loads, and on fresh task rows at the task's rate
-    (120 lines) it predicts the looked-up constants (teacher-forced) far above chance (0.1), and so
-    does its sparse actor at 8 pages nearly every reference token."""
+@pytest.mark.parametrize("config_name, topk, reserved_first", [("headline", 8, 1), ("headline_sparse", 4, 6)])
+def test_the_headline_warmup_ships_and_reads_the_table(config_name, topk, reserved_first):
+    """configs/headline.py's and headline_sparse.py's warm-ups ship: found by their settings' hash,
+    trained with exactly the config's settings on the config's task, small, load, and on fresh task
+    rows at the task's rate (120 lines) predict the looked-up constants (teacher-forced) far above
+    chance (0.1), and so does the sparse actor their sparse loss trained (8 pages with the first
+    kept; 4 with the key table's 6 kept) nearly every reference token."""
     import importlib
     import json
 
@@ -370,7 +372,7 @@ def test_the_headline_warmup_ships_and_reads_the_table():
     from sparrow_jax.sft.cache import SHIPPED_DIR, shipped_checkpoint, warmup_key
     from sparrow_jax.sft.settings import warmup_architecture
 
-    spec = parse_spec(importlib.import_module("configs.headline").get_config())
+    spec = parse_spec(importlib.import_module(f"configs.{config_name}").get_config())
     config, knobs, settings = warmup_architecture(spec.model), task_knobs(spec.task), warmup_settings(spec.model)
     path = shipped_checkpoint(warmup_key(config, knobs, settings))
     assert path is not None and os.path.dirname(path) == SHIPPED_DIR
@@ -393,10 +395,11 @@ def test_the_headline_warmup_ships_and_reads_the_table():
         constants = [i for i in at if tokens[b, i - 1] == equals]  # the token after '=' on a look-up line
         right += list(predicted[b, np.asarray(constants) - 1] == tokens[b, constants])
     assert len(right) >= 40 and np.mean(right) >= LOOKUP_FLOOR, np.mean(right)
-    # its refine phase trained the sparse actor (every layer sparse, 8 pages) to read the same trace:
-    # teacher-forced, it puts < 1/2 on few reference tokens (measured 0.7% vs the dense warm-up's 18%)
+    # its refine (or slip) phase trained the sparse actor (every layer sparse) to read the same trace:
+    # teacher-forced, it puts < 1/2 on few reference tokens (measured 0.7% for the headline warm-up at
+    # 8 pages, vs the dense warm-up's 18%)
     prompt_lens = jnp.asarray([int(np.argmax(m)) for m in ref_mask])
-    sparse = sparse_hidden(loaded, params, jnp.asarray(tokens), warmup_sparse_layout(loaded, 8),
+    sparse = sparse_hidden(loaded, params, jnp.asarray(tokens), warmup_sparse_layout(loaded, topk, reserved_first),
                            prompt_lens=prompt_lens)
     logp = np.asarray(token_logprobs(sparse, unembedding(loaded, params), jnp.asarray(tokens))[0])
     assert np.mean(logp[ref_mask] < np.log(0.5)) <= SPARSE_WRONG_CEILING
