@@ -16,11 +16,12 @@ every bin. The warm-up ships (sparrow_jax/sft/checkpoints/headline_sparse): its 
 the shipped headline warm-up took 5.3-6.0 min on 2 cores and reproduced it bit for bit;
 ``--noshipped`` retrains both (~50 min).
 
-Measured (docs/results.md; dense and tau = 0.86 arms, seeds 0 and 1, 65 min on 2 cores:
-``"--config.study.arms=('dense','calibrated')"``): dense rollouts raise the dense held-out reward by
-0.161 +- 0.017 (from 0.435); the 4-page schedule holds pooled p5 >= 0.86 in every bin and its rollouts
-run 1.60x dense (paired), but the dense policy they train gains 0.087 +- 0.011, 0.075 +- 0.014 below
-dense: p5 holding is not enough on this task. The other arms were not run on this warm-up.
+Measured (docs/results.md; dense, tau = 0.86 and random-reward arms, seeds 0 and 1, 90 min on 2
+cores: ``"--config.study.arms=('dense','calibrated','random_reward')"``): dense rollouts raise the
+dense held-out reward by 0.161 +- 0.017 (from 0.435; the random-reward control -0.023 +- 0.011); the
+4-page schedule holds pooled p5 >= 0.86 in every bin and its rollouts run 1.60x dense (paired), but
+the dense policy they train gains 0.087 +- 0.011, 0.075 +- 0.014 below dense: p5 holding is not
+enough on this task. The tau = 0.75 / 0.92 and online arms were not run on this warm-up.
 """
 from configs.headline import get_config as headline_config
 
