@@ -25,7 +25,7 @@ from typing import Any
 from sparrow_jax.models.config import Qwen3Config
 from sparrow_jax.models.hf_io import save_hf
 from sparrow_jax.models.qwen3 import Params
-from sparrow_jax.sft.settings import WarmupSettings
+from sparrow_jax.sft.settings import SLIP_LAYOUT_DEFAULTS, WarmupSettings
 
 META_FILE = "sparrow_warmup.json"
 DEFAULT_CACHE_DIR = "runs/cache"
@@ -44,7 +44,7 @@ def warmup_key(config: Qwen3Config, knobs: dict[str, Any], settings: WarmupSetti
             del train[name]
     if not train["refine_sparse_weight"]:  # likewise without the refine phase's sparse loss
         del train["refine_sparse_weight"], train["refine_sparse_topk"]
-    for name, default in (("slip_sparse_topk", 0), ("slip_sparse_weight", 0.0), ("slip_reserved_first", 1)):
+    for name, default in SLIP_LAYOUT_DEFAULTS.items():
         if train[name] == default:  # likewise with the slip run's sparse loss the refine's
             del train[name]
     for phase in ("refine", "slip", "preamble"):  # likewise without a refine, slip or preamble phase

@@ -11,7 +11,7 @@ from typing import Any
 import optax
 
 from sparrow_jax.optim import clipped_adam
-from sparrow_jax.sft.settings import WarmupSettings
+from sparrow_jax.sft.settings import SLIP_LAYOUT_DEFAULTS, WarmupSettings
 
 
 def stage_settings(settings: WarmupSettings, step: int) -> WarmupSettings:
@@ -49,8 +49,7 @@ def continued_warmup(knobs: dict[str, Any], settings: WarmupSettings
             # two-letter keys: a slipped trace seldom meets the terminal key within a row's bound
             raise ValueError(f"model.warmup.slip_steps={settings.slip_steps} slips recurrence_trace's one-letter "
                              f"look-up keys (task.key_letters=1); task {knobs['name']!r} with knobs {knobs} has none")
-        return "slip", knobs, dataclasses.replace(settings, slip_steps=0, slip_prob=0.0, slip_sparse_topk=0,
-                                                  slip_sparse_weight=0.0, slip_reserved_first=1)
+        return "slip", knobs, dataclasses.replace(settings, slip_steps=0, slip_prob=0.0, **SLIP_LAYOUT_DEFAULTS)
     if settings.refine_steps:
         return "refine", knobs, dataclasses.replace(settings, refine_steps=0, refine_sparse_topk=0,
                                                     refine_sparse_weight=0.0)

@@ -18,6 +18,8 @@ if TYPE_CHECKING:
 # model.warmup fields that are not training settings (not in the cache hash): where the cache lives
 # and what the final evaluation measures (context lengths, trace lengths, prompts per entry).
 _NOT_HASHED = ("cache_dir", "eval_lengths", "eval_hops", "eval_prompts")
+# the slip run's own sparse loss at its defaults: the refine's loss, the sampler's kept first page
+SLIP_LAYOUT_DEFAULTS = dict(slip_sparse_topk=0, slip_sparse_weight=0.0, slip_reserved_first=1)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -161,7 +163,7 @@ class WarmupSettings:
         if int(self.slip_sparse_topk) < 0 or not self.slip_sparse_weight >= 0.0 or int(self.slip_reserved_first) < 1:
             raise ValueError(f"warmup slip_sparse_topk and slip_sparse_weight must be >= 0 and slip_reserved_first >= 1, "
                              f"got {self.slip_sparse_topk}, {self.slip_sparse_weight} and {self.slip_reserved_first}")
-        slip_layout = (self.slip_sparse_topk, self.slip_sparse_weight, self.slip_reserved_first) != (0, 0.0, 1)
+        slip_layout = any(getattr(self, name) != default for name, default in SLIP_LAYOUT_DEFAULTS.items())
         if slip_layout and not self.slip_steps:
             raise ValueError(f"warmup slip_sparse_topk / slip_sparse_weight / slip_reserved_first set the slip run's "
                              f"sparse loss and need slip_steps > 0, got slip_steps {self.slip_steps}")

@@ -171,11 +171,12 @@ def continued_phase(config: Qwen3Config, knobs: dict[str, Any], settings: Warmup
         print(f"[warmup] {phase}: {n_steps} x {rows.final_batch_size} task rows of {final_len} tokens (peak lr "
               f"{lr:g}) on {where}", flush=True)
     optimizer = make_optimizer(settings, phase)
-    # the slip run keeps a sparse loss (the refine's unless its own is set): the sparse actor stays
-    # trained on the rows it samples
-    sparse = slip_sparse_loss(settings) if phase == "slip" else \
-        dict(sparse_topk=settings.refine_sparse_topk, sparse_weight=settings.refine_sparse_weight) \
-        if phase == "refine" else {}
+    if phase == "slip":  # a sparse loss (the refine's unless its own is set): the sparse actor stays trained
+        sparse = slip_sparse_loss(settings)
+    elif phase == "refine":
+        sparse = dict(sparse_topk=settings.refine_sparse_topk, sparse_weight=settings.refine_sparse_weight)
+    else:
+        sparse = {}
     train_step = make_train_step(config, optimizer, settings.prompt_weight, settings.lookup_weight, **sparse)
     opt_state = optimizer.init(params)
     first = base_settings.steps + base_settings.refine_steps + base_settings.slip_steps  # rows past the base's
