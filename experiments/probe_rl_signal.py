@@ -12,6 +12,13 @@ From the run's initial policy (its warm-up), with the run's own rollout, reward 
    the constant or a local line (:func:`first_error_kinds`), and how many key errors are one
    letter off.
 
+``--rollouts sparse`` samples the batches with the sparse actor at the config's schedule (the
+sparse arm's signal, with its TIS weights); ``--params_from <run workdir>`` starts from that run's
+checkpoint (``--params_step``, default its newest) instead of the warm-up, e.g. a policy RL has
+already sharpened. With a final norm (``norm.weight``), each batch's ``sharpening``: the descent
+direction's component along that norm's weights, ``-g . w``, i.e. how fast the step would scale every
+logit up (RL's gain on recurrence_trace is mostly that, docs/results.md).
+
 The last stdout line is JSON with every figure.
 """
 from __future__ import annotations
@@ -28,6 +35,7 @@ import optax
 from absl import flags
 
 from sparrow_jax.run.cli import config_main, define_config_flag
+from sparrow_jax.stats import mean_and_se
 
 
 def flat(tree) -> np.ndarray:
@@ -138,10 +146,43 @@ def error_breakdown(ctx, samples) -> dict:
     return {"first_error": dict(kinds), "key_letters_off": {str(k): v for k, v in sorted(offsets.items())}}
 
 
-def probe(spec, batches: int, step_sizes: Sequence[float], eval_rows: int) -> dict:
+def sharpening(grads: np.ndarray, params) -> Optional[list[float]]:
+    """grads [n, P] (flat, :func:`flat`'s order) -> each row's ``-g . w`` over the final norm's
+    weights ``w`` (``norm.weight``): the rate a plain step along ``-g`` scales every logit up. None
+    for a model without that parameter."""
+    from sparrow_jax.optim import param_name
+
+    at = 0
+    for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
+        if param_name(path) == "norm.weight":
+            w = np.asarray(leaf, np.float64).ravel()
+            return [float(-g[at:at + w.size] @ w) for g in grads]
+        at += leaf.size
+    return None
+
+
+def start_params(ctx, params_from: Optional[str], params_step: Optional[int]):
+    """The probe's policy: ``ctx.params`` (the warm-up), or the checkpoint of the run in ``params_from``."""
+    from sparrow_jax.io.checkpoint import run_policy_params
+
+    if not params_from:
+        return ctx.params
+    loaded = run_policy_params(params_from, ctx.params, params_step)
+    if loaded is None:
+        raise ValueError(f"--params_from {params_from}: no checkpoint under {params_from}/checkpoints")
+    return loaded[0]
+
+
+def probe(spec, batches: int, step_sizes: Sequence[float], eval_rows: int, rollouts: str = "dense",
+          params_from: Optional[str] = None, params_step: Optional[int] = None) -> dict:
     from sparrow_jax.run.context import build_run_context
 
-    ctx = build_run_context(spec, schedule=None)  # dense rollouts: the dense arm's signal
+    if rollouts not in ("dense", "sparse"):
+        raise ValueError(f"--rollouts {rollouts!r}: dense | sparse")
+    ctx = build_run_context(spec, schedule=None) if rollouts == "dense" else build_run_context(spec)
+    if ctx.schedule is None and rollouts == "sparse":
+        raise ValueError("--rollouts sparse needs a sparse schedule; the config's schedule.kind is 'dense'")
+    ctx = dataclasses.replace(ctx, params=start_params(ctx, params_from, params_step))
     grads, rewards, samples = batch_gradients(spec, ctx, batches)
     cosines = leave_one_out_cosines(grads)
     start, mean_grad = flat(ctx.params), grads.mean(axis=0)
@@ -152,16 +193,22 @@ def probe(spec, batches: int, step_sizes: Sequence[float], eval_rows: int) -> di
     out = {"batches": batches, "rows_per_batch": spec.rollout.prompts_per_step * spec.rollout.group_size,
            "reward_per_batch": rewards, "grad_norms": [float(np.linalg.norm(g)) for g in grads],
            "loo_cosines": cosines, "mean_grad_norm": float(np.linalg.norm(mean_grad)),
-           "reference_logp_along_mean_grad": along}
+           "reference_logp_along_mean_grad": along, "rollouts": rollouts, "params_from": params_from,
+           "sharpening": sharpening(grads, ctx.params)}
     if ctx.task.name == "recurrence_trace":
         out.update(error_breakdown(ctx, samples))
     return out
 
 
-def main(spec, batches: int, step_sizes: Sequence[float], eval_rows: int) -> None:
-    out = probe(spec, batches, step_sizes, eval_rows)
+def main(spec, batches: int, step_sizes: Sequence[float], eval_rows: int, rollouts: str = "dense",
+         params_from: Optional[str] = None, params_step: Optional[int] = None) -> None:
+    out = probe(spec, batches, step_sizes, eval_rows, rollouts, params_from, params_step)
     print(f"sampled reward per batch: {' '.join(f'{r:.3f}' for r in out['reward_per_batch'])}")
     print(f"leave-one-out cosines:    {' '.join(f'{c:+.3f}' for c in out['loo_cosines'])}")
+    if out["sharpening"] is not None:
+        mean, se = mean_and_se(out["sharpening"])
+        print(f"sharpening per batch:     {' '.join(f'{v:.5f}' for v in out['sharpening'])} "
+              f"(mean {mean:.5f} +- {se if se is not None else float('nan'):.5f})")
     for s, lp in out["reference_logp_along_mean_grad"].items():
         keys = "" if lp["keys"] is None else f", look-up keys {lp['keys']:.4f}"
         print(f"step {float(s):<6g} along the mean gradient: reference log-prob {lp['all']:.5f}{keys}")
@@ -175,7 +222,12 @@ def _cli() -> None:
     batches = flags.DEFINE_integer("batches", 8, "rollout batches (each the config's prompts_per_step x group_size)")
     sizes = flags.DEFINE_list("step_sizes", ["0.003", "0.01", "0.03", "0.1"], "L2 lengths of the steps tried")
     rows = flags.DEFINE_integer("eval_rows", 16, "held-out rows the reference log-probability is measured on")
-    config_main(config, lambda spec: main(spec, batches.value, [float(s) for s in sizes.value], rows.value))
+    rollouts = flags.DEFINE_enum("rollouts", "dense", ["dense", "sparse"],
+                                 "who samples the batches: the dense policy, or the sparse actor at the config's schedule")
+    params_from = flags.DEFINE_string("params_from", None, "an RL run's workdir: probe its checkpoint, not the warm-up")
+    params_step = flags.DEFINE_integer("params_step", None, "that checkpoint's step (default: the newest)")
+    config_main(config, lambda spec: main(spec, batches.value, [float(s) for s in sizes.value], rows.value,
+                                          rollouts.value, params_from.value, params_step.value))
 
 
 if __name__ == "__main__":

@@ -62,3 +62,35 @@ def test_cosines_and_flat_vectors_by_hand():
 def test_first_error_kinds(completion, kind, off):
     reference = "00:3\n01:8\n02:1\n03:c=5"
     assert P.first_error_kinds(completion, reference) == (kind, off)
+
+
+def test_sharpening_is_the_descent_directions_component_along_the_final_norm():
+    params = {"embed_tokens": jnp.ones((2, 2)), "norm": {"weight": jnp.asarray([2.0, -1.0])}}
+    grads = np.asarray([[9.0, 9.0, 9.0, 9.0, 0.5, 1.0], [0.0, 0.0, 0.0, 0.0, -1.0, 0.0]])  # leaf order: embed, norm
+    assert P.sharpening(grads, params) == pytest.approx([-(0.5 * 2.0 - 1.0), 2.0])
+    assert P.sharpening(grads[:, :4], {"embed_tokens": jnp.ones((2, 2))}) is None
+
+
+def test_the_probe_samples_with_the_sparse_actor_from_a_runs_checkpoint(tmp_path):
+    from sparrow_jax.io.checkpoint import CheckpointManager
+
+    cfg = get_config()  # a fixed sparse schedule
+    cfg.workdir = str(tmp_path)
+    cfg.task.context_tokens, cfg.task.num_train, cfg.task.num_eval = 64, 8, 2
+    cfg.rollout.max_new_tokens, cfg.rollout.prompts_per_step, cfg.rollout.group_size = 8, 2, 4
+    spec = parse_spec(cfg)
+    ctx = build_run_context(spec)
+    trained = jax.tree.map(lambda x: x * 1.5, ctx.params)
+    with CheckpointManager(tmp_path / "run" / "checkpoints") as ckpt:
+        ckpt.save(3, {"loop": {"train": {"params": trained}}})
+    got = P.start_params(ctx, str(tmp_path / "run"), None)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(trained)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert P.start_params(ctx, None, None) is ctx.params
+    with pytest.raises(ValueError, match="no checkpoint"):
+        P.start_params(ctx, str(tmp_path / "none"), None)
+    with pytest.raises(ValueError, match="dense | sparse"):
+        P.probe(spec, 2, [], 1, rollouts="both")
+    out = P.probe(spec, 2, [], 1, rollouts="sparse", params_from=str(tmp_path / "run"))
+    assert out["rollouts"] == "sparse" and len(out["sharpening"]) == 2 and len(out["grad_norms"]) == 2
+    assert all(np.isfinite(out["sharpening"]))
