@@ -32,6 +32,7 @@ from absl import flags
 
 from sparrow_jax.optim import param_name
 from sparrow_jax.run.cli import config_main, define_config_flag
+from sparrow_jax.stats import mean_and_se
 
 # name -> regex over dotted parameter names (layers.0.self_attn.q_proj.kernel, norm.weight, ...)
 PARAM_GROUPS = {
@@ -48,8 +49,7 @@ def swap_matching(base, other, pattern: str):
     ``other`` (same tree). Raises ValueError when the pattern matches no leaf: a misspelt group
     would silently leave ``base`` as it is."""
     regex = re.compile(pattern)
-    hits = [param_name(p) for p, _ in jax.tree_util.tree_flatten_with_path(base)[0] if regex.search(param_name(p))]
-    if not hits:
+    if not any(regex.search(param_name(p)) for p, _ in jax.tree_util.tree_flatten_with_path(base)[0]):
         raise ValueError(f"parameter group {pattern!r} matches no parameter of the model")
     return jax.tree_util.tree_map_with_path(lambda p, a, b: b if regex.search(param_name(p)) else a, base, other)
 
@@ -73,8 +73,6 @@ def variants(start, trained, groups: dict[str, str]) -> dict:
 
 def figure(per_prompt: np.ndarray, start: Optional[np.ndarray]) -> dict:
     """Mean and standard error over prompts of ``per_prompt`` [P], and its paired change vs ``start``."""
-    from sparrow_jax.stats import mean_and_se
-
     mean, se = mean_and_se(per_prompt)
     out = {"mean": mean, "se": se}
     if start is not None:
