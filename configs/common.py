@@ -219,6 +219,10 @@ def train_config() -> ConfigDict:
         # [low, high] (both 0: off); the reciprocal of verl's rollout_rs k1 thresholds (ours = 1 / theirs)
         tis_mask_low=0.0,  # lower ratio bound of the rejection mask
         tis_mask_high=0.0,  # upper ratio bound of the rejection mask
+        # with sparse rollouts, reject a whole row (no loss; its group's advantages over the rows kept) where
+        # a loss token's ratio p_dense_old / p_sampler is below this: the trained policy would rarely have
+        # made that error (verl's rollout_token_veto_threshold; 0: off)
+        tis_veto=0.0,
         # seq-mean loss divisor: valid (non-empty rows) | all (every row, as verl) | auto (all iff masking is on)
         seq_mean_rows="auto",
         kl_coef=0.0,  # KL-to-reference coefficient; the reference is the initial policy (0: none kept)

@@ -29,7 +29,7 @@ ADVANTAGE_BASELINES = ("group", "prefix")
 
 
 def group_advantages(rewards: jax.Array, group_size: int, mode: str = "grpo",
-                     eps: float = 1e-6) -> jax.Array:
+                     eps: float = 1e-6, keep=None) -> jax.Array:
     """Per-completion advantage from per-completion scalar rewards.
 
     Args:
@@ -37,6 +37,10 @@ def group_advantages(rewards: jax.Array, group_size: int, mode: str = "grpo",
       group_size: completions per prompt G (static int >= 1); N must be a multiple of G.
       mode: "grpo" -> (r - mean_g) / (std_g + eps); "drgrpo" -> r - mean_g (no std).
       eps: added to the std (GRPO only), as verl's ``epsilon``.
+      keep: optional bool [N], the rows that stay in the update (``train.tis_veto`` rejects the
+        others). A group's mean and std are then those of its kept rows; rejected rows get 0, and
+        so does every row of a group with fewer than 2 kept rows (nothing to compare with), except
+        at ``group_size`` 1, where a kept row gets verl's lone-sample advantage.
 
     Returns:
       [N] advantages in the dtype of ``rewards`` (float32 for integer rewards). Carry no
@@ -57,6 +61,8 @@ def group_advantages(rewards: jax.Array, group_size: int, mode: str = "grpo",
         rewards = rewards.astype(jnp.float32)
     rewards = jax.lax.stop_gradient(rewards)
     r = rewards.reshape(n // group_size, group_size)
+    if keep is not None:
+        return _kept_group_advantages(r, jnp.asarray(keep, bool), mode, eps).reshape(n).astype(rewards.dtype)
     if group_size == 1:
         # verl: a lone sample has mean 0, std 1 (no baseline to compare with).
         mean = jnp.zeros_like(r[:, :1])
@@ -69,6 +75,23 @@ def group_advantages(rewards: jax.Array, group_size: int, mode: str = "grpo",
     else:
         adv = r - mean
     return adv.reshape(n).astype(rewards.dtype)
+
+
+def _kept_group_advantages(r: jax.Array, keep: jax.Array, mode: str, eps: float) -> jax.Array:
+    """:func:`group_advantages` over each group's kept rows. r [P, G] rewards, keep bool [P * G] -> [P, G]."""
+    if keep.shape != (r.size,):
+        raise ValueError(f"group_advantages: keep must be bool [N] = [{r.size}], got shape {keep.shape}")
+    k = keep.reshape(r.shape)
+    if r.shape[1] == 1:  # verl's lone sample: mean 0, std 1
+        return jnp.where(k, r, 0.0)
+    kf = k.astype(r.dtype)
+    count = kf.sum(axis=1, keepdims=True)
+    mean = (r * kf).sum(axis=1, keepdims=True) / jnp.maximum(count, 1.0)
+    centred = (r - mean) * kf
+    if mode == "grpo":  # ddof=1 over the kept rows, as the whole-group std
+        std = jnp.sqrt((centred ** 2).sum(axis=1, keepdims=True) / jnp.maximum(count - 1.0, 1.0))
+        centred = centred / (std + eps)
+    return jnp.where(k & (count >= 2), centred, 0.0)
 
 
 def prefix_advantages(rewards: np.ndarray, tokens: np.ndarray, mask: np.ndarray, group_size: int,

@@ -323,6 +323,24 @@ def tis_weights(logp_old_dense: Array, logp_sampler: Array, mask: Array,
     return weights, metrics
 
 
+def token_veto(logp_old_dense: Array, logp_sampler: Array, mask: Array, threshold: float) -> Array:
+    """bool [B]: rows with a masked token whose ratio p_ref / p_inf is below ``threshold``.
+
+    verl's ``rollout_token_veto_threshold``: one token the trained policy rates far less likely
+    than the sampler did (with a sparse sampler, mostly a token its sparse attention got wrong)
+    rejects the whole row, since everything the reward says about the row may rest on it.
+    Inputs [B, T] as :func:`tis_weights_and_keep`'s; ``threshold`` in (0, 1).
+    """
+    fn = "token_veto"
+    if not 0 < threshold < 1:
+        raise ValueError(f"{fn}: threshold must be in (0, 1), got {threshold}")
+    logp_old_dense = _check_2d(fn, "logp_old_dense", logp_old_dense)
+    logp_sampler = _check_2d(fn, "logp_sampler", logp_sampler, logp_old_dense.shape)
+    _, maskb = _masks(fn, mask, logp_old_dense.shape)
+    log_ratio = logp_old_dense.astype(jnp.float32) - logp_sampler.astype(jnp.float32)
+    return jnp.any(maskb & (log_ratio < jnp.log(threshold)), axis=-1)
+
+
 # ----------------------------------------------------------------------------- policy loss
 def _check_advantages(fn: str, advantages: Array, shape: tuple[int, int]) -> Array:
     advantages = jnp.asarray(advantages)

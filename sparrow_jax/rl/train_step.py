@@ -235,6 +235,13 @@ def _no_grad_logprobs(config: Qwen3Config, params, tokens: jax.Array, chunks: in
     return jax.lax.stop_gradient(_merge_rows(logp)), jax.lax.stop_gradient(_merge_rows(dense))
 
 
+@functools.partial(jax.jit, static_argnames=("config", "opts", "chunks"))
+def policy_logprobs(params, tokens: jax.Array, *, config: Qwen3Config, opts: StepOptions, chunks: int = 1) -> jax.Array:
+    """float32 [B, T]: the dense policy's log-probs of ``tokens`` [B, T] at ``opts.temperature``, ``chunks``
+    row chunks at a time, no gradient (what :func:`train_step` computes as ``logp_old``)."""
+    return _no_grad_logprobs(config, params, tokens, chunks, opts, False)[0]
+
+
 def _merge_rows(tree):
     """Leaves [chunks, b, ...] -> [chunks * b, ...] (None stays None)."""
     return jax.tree.map(lambda x: x.reshape(-1, *x.shape[2:]), tree)

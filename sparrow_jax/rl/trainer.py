@@ -47,7 +47,8 @@ from sparrow_jax.rl.guards import assert_finite, nonfinite_streak
 from sparrow_jax.rl.horizon_groups import horizon_row_groups, timed_grouped_train_step
 from sparrow_jax.rl.long_cot import mask_truncated, response_length_metrics
 from sparrow_jax.rl.train_step import (Batch, DistillOptions, LoraState, StepOptions, TrainState,
-                                       init_train_state, make_optimizer, shared_prefix_len, timed_train_step)
+                                       init_train_state, make_optimizer, policy_logprobs, shared_prefix_len,
+                                       timed_train_step)
 from sparrow_jax.rollout import SparsitySchedule, generate, generate_continuous
 from sparrow_jax.rollout.schedule_control import (ControllerSettings, ControllerState, controller_step_jit,
                                                   controller_topk, dense_topk_by_bin, failed_topk_from_table,
@@ -386,6 +387,23 @@ def collect_options(spec: RunSpec) -> CollectOptions:
                           tr.mask_truncated, tr.dynamic_sampling, tr.dynamic_sampling_rounds)
 
 
+def veto_rows(loop: Loop, state: LoopState, tokens: np.ndarray, logp_sampler: np.ndarray, loss_mask: np.ndarray,
+              rewards: np.ndarray) -> tuple[np.ndarray, dict]:
+    """``train.tis_veto``: the policy scores the sparse rollouts densely, and a row with a loss token
+    [B, T] whose ratio p_policy / p_sampler is below the threshold leaves the update (the dense policy
+    would rarely have made that error, so the row's reward says little about it).
+    -> (bool [B] rows kept, ``rollout_corr/`` metrics and ``timing_s/veto``)"""
+    t0 = time.perf_counter()
+    opts = loop.opts
+    logp = policy_logprobs(state.train.params, jnp.asarray(tokens), config=loop.ctx.model_config, opts=opts,
+                           chunks=opts.mini_batches * opts.micro_batches)
+    vetoed = np.asarray(token_veto(logp, jnp.asarray(logp_sampler), jnp.asarray(loss_mask), loop.spec.train.tis_veto))
+    metrics = {"rollout_corr/rollout_is_veto_fraction": float(vetoed.mean()), "timing_s/veto": time.perf_counter() - t0}
+    if vetoed.any():  # what the rejected rows scored (their reward does not reach the update)
+        metrics["rollout_corr/vetoed_reward_mean"] = float(np.mean(rewards[vetoed]))
+    return ~vetoed, metrics
+
+
 def collect(loop: Loop, state: LoopState, key) -> tuple[Batch, dict, jax.Array]:
     """Sample a group of completions per prompt with the actor, score them, shape and filter the
     groups (DAPO options); (batch, metrics, data position after the prompts used). Non-finite
@@ -434,14 +452,22 @@ def collect(loop: Loop, state: LoopState, key) -> tuple[Batch, dict, jax.Array]:
     width = int(gather(np.asarray([rollout.lengths.max()])).max())  # the same padded length everywhere
     tokens, mask, logp = _pad_batch(rollout, width)
     mask = mask_truncated(mask, ~rows_in_loss)
-    if loop.spec.train.adv_baseline == "prefix":  # [B, T]: each block of rows holds whole groups
-        adv = prefix_advantages(learned, tokens, mask, g, mode=loop.spec.train.adv_mode)
-    else:
-        adv = np.asarray(group_advantages(jnp.asarray(learned), g, mode=loop.spec.train.adv_mode))
     loss_mask = None
     if loop.spec.train.reward_horizon_mask:
         loss_mask = mask * reward_horizon_mask(loop.ctx, rollout, rows_of_round[0], mask.shape[1])
         metrics["actor/reward_horizon_token_share"] = float(loss_mask.sum() / max(mask.sum(), 1.0))
+    keep = None
+    if loop.spec.train.tis_veto > 0 and schedule is not None:
+        if local:
+            raise ValueError("train.tis_veto scores the whole batch densely in one process; set it to 0 when the "
+                             "batch's rows span processes")
+        keep, veto_metrics = veto_rows(loop, state, tokens, logp, mask if loss_mask is None else loss_mask, rewards)
+        metrics.update(veto_metrics)
+        loss_mask = (mask if loss_mask is None else loss_mask) * keep[:, None]
+    if loop.spec.train.adv_baseline == "prefix":  # [B, T]: each block of rows holds whole groups
+        adv = prefix_advantages(learned, tokens, mask, g, mode=loop.spec.train.adv_mode)
+    else:
+        adv = np.asarray(group_advantages(jnp.asarray(learned), g, mode=loop.spec.train.adv_mode, keep=keep))
     fields = Batch(tokens, mask, logp, adv, rollout.prompt_lens, loss_mask)
     if local:
         batch = Batch(*(None if x is None else rows_to_global(x, loop.mesh, num_rows) for x in fields))
@@ -464,7 +490,7 @@ def collect(loop: Loop, state: LoopState, key) -> tuple[Batch, dict, jax.Array]:
                     "critic/advantages/max": float(adv.max()), "critic/advantages/min": float(adv.min()),
                     "prompt_length/mean": float(np.mean(prompt_lens)),
                     "rollout/tokens_per_s": float(decoded[:, 0].sum() / max(decoded[:, 1].max(), 1e-9)),
-                    "timing_s/gen": time.perf_counter() - t0})
+                    "timing_s/gen": time.perf_counter() - t0 - metrics.get("timing_s/veto", 0.0)})
     return batch, metrics, data
 
 
@@ -603,7 +629,7 @@ def rl_step(loop: Loop, state: LoopState) -> tuple[LoopState, dict]:
 # the verl-named parts logged beside them; a phase is logged when any of its parts was timed.
 PHASES = (("timing_s/rollout", ("timing_s/gen",)),
           ("timing_s/score", ("timing_s/old_log_prob", "timing_s/ref", "timing_s/scoring", "timing_s/probe",
-                              "timing_s/statistics")),
+                              "timing_s/statistics", "timing_s/veto")),
           ("timing_s/update", ("timing_s/forward_backward", "timing_s/optimizer")),
           ("timing_s/eval", ("timing_s/validation",)))
 

@@ -21,8 +21,9 @@ from sparrow_jax.run.report import (p5_hold_fraction, p5_min_step_by_bin, pooled
 from sparrow_jax.run.specs import RunSpec
 from sparrow_jax.stats import standard_error
 
-# the phases of one RL step (rollouts; scoring and update; the online controller's probe): not validation
-STEP_PARTS = ("timing_s/gen", "timing_s/update_actor", "timing_s/probe")
+# the phases of one RL step (rollouts; scoring and update; the online controller's probe; train.tis_veto's
+# dense pass): not validation
+STEP_PARTS = ("timing_s/gen", "timing_s/update_actor", "timing_s/probe", "timing_s/veto")
 # what an arm's report.json carries from the paired rollout speed measurement (sparrow_jax.run.speed)
 SPEEDUP_KEYS = ("rollout_speedup", "rollout_speedup_paired", "dense_tok_s", "sparse_tok_s")
 

@@ -160,6 +160,7 @@ class TrainSpec:
     mismatch_every: int = 1  # N: the sparse actor's exact acceptance statistics on every N-th step (TIS every step)
     adv_baseline: str = "group"  # group: the group's mean reward | prefix: the mean over the rows sharing a token's prefix
     tail_tokens: str = "completion"  # the acceptance tail counts every completion token | the loss's (reward horizon)
+    tis_veto: float = 0.0  # reject a sparse rollout's row with a loss token whose ratio p_dense / p_sampler is below this (0: off)
 
 
 @_spec
@@ -339,7 +340,7 @@ POSITIVE = ("steps", "checkpoint_every", "keep_checkpoints", "eval_k", "rollout.
 NON_NEGATIVE = ("eval_every", "task.preamble_tokens", "task.min_lines", "task.far_every", "task.gap_tokens", "rollout.temperature", "rollout.top_k", "schedule.topk",
                 "schedule.reserved_first", "schedule.reserved_last", "train.learning_rate", "train.max_grad_norm",
                 "train.clip_low", "train.clip_high", "train.dual_clip", "train.tis_cap", "train.kl_coef",
-                "train.entropy_coef", "train.lr_warmup_steps", "train.horizon_groups", "train.tis_mask_low", "train.tis_mask_high", "train.overlong_buffer",
+                "train.entropy_coef", "train.lr_warmup_steps", "train.horizon_groups", "train.tis_mask_low", "train.tis_mask_high", "train.tis_veto", "train.overlong_buffer",
                 "train.overlong_penalty", "train.dynamic_sampling_rounds", "train.max_nonfinite_steps",
                 "distill.learning_rate", "distill.kl_coef", "distill.tis_cap", "distill.switch_topk",
                 "distill.switch_every", "calibration.min_count", "calibration.revalidate_rounds",
@@ -416,6 +417,9 @@ def validate(spec: RunSpec) -> None:
              "must be 1 with distill.enabled (DistillSparse's LoRA trains from the sparse pass every step)")
     _require((tr.tis_mask_low, tr.tis_mask_high) == (0, 0) or tr.tis_mask_low < tr.tis_mask_high, "train.tis_mask_low",
              tr.tis_mask_low, f"must be < train.tis_mask_high={tr.tis_mask_high} (both 0: no ratio masking)")
+    _require(tr.tis_veto < 1, "train.tis_veto", tr.tis_veto, "must be < 1 (a ratio threshold; 0: off)")
+    _require(not tr.tis_veto or tr.adv_baseline == "group", "train.tis_veto", tr.tis_veto,
+             "needs train.adv_baseline='group' (the group's baseline is recomputed over the rows kept)")
     _require(tr.overlong_buffer < r.max_new_tokens, "train.overlong_buffer", tr.overlong_buffer,
              "must be < rollout.max_new_tokens")
     _require(0 < spec.calibration.tau < 1, "calibration.tau", spec.calibration.tau, "must be in (0, 1)")
