@@ -46,6 +46,7 @@ from sparrow_jax.rl.context import RunContext
 from sparrow_jax.rl.guards import assert_finite, nonfinite_streak
 from sparrow_jax.rl.horizon_groups import horizon_row_groups, timed_grouped_train_step
 from sparrow_jax.rl.long_cot import mask_truncated, response_length_metrics
+from sparrow_jax.rl.losses import token_veto
 from sparrow_jax.rl.train_step import (Batch, DistillOptions, LoraState, StepOptions, TrainState,
                                        init_train_state, make_optimizer, policy_logprobs, shared_prefix_len,
                                        timed_train_step)
