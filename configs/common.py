@@ -223,6 +223,10 @@ def train_config() -> ConfigDict:
         # a loss token's ratio p_dense_old / p_sampler is below this: the trained policy would rarely have
         # made that error (verl's rollout_token_veto_threshold; 0: off)
         tis_veto=0.0,
+        # the tokens the veto reads: loss (every loss token) | horizon_line (with reward_horizon_mask, the tokens
+        # of each row's first wrong line: a row is rejected only when the error that ended its reward is one
+        # the dense policy would rarely have made; a row with nothing wrong is never rejected)
+        tis_veto_tokens="loss",
         # seq-mean loss divisor: valid (non-empty rows) | all (every row, as verl) | auto (all iff masking is on)
         seq_mean_rows="auto",
         kl_coef=0.0,  # KL-to-reference coefficient; the reference is the initial policy (0: none kept)

@@ -102,12 +102,13 @@ def test_reward_horizon_ends_at_the_first_wrong_line():
 
 def test_the_loss_mask_keeps_each_completion_through_its_horizon():
     """trainer.reward_horizon_mask on a rollout of three rows: a wrong second line, every line right,
-    and a token (the word token ``<eos>``) spanning the horizon's end."""
+    and a token (the word token ``<eos>``) spanning the horizon's end; trainer.horizon_line_mask: the
+    tokens of each row's first wrong line."""
     from types import SimpleNamespace
 
     import numpy as np
 
-    from sparrow_jax.rl.trainer import reward_horizon_mask
+    from sparrow_jax.rl.trainer import horizon_line_mask, reward_horizon_mask
 
     tok = BuiltinTokenizer()
     example = {"reference": "00 ab\n01 cd"}
@@ -125,3 +126,8 @@ def test_the_loss_mask_keeps_each_completion_through_its_horizon():
     kept = mask.sum(axis=1).astype(int).tolist()
     assert kept == [len(tok.encode(c)) for c in ("00 ab\n01 cX\n", "00 ab\n01 cd<eos>", "00 aX<eos>")]
     assert (mask[:, :len(prompt)] == 0).all() and (mask[0, len(prompt):len(prompt) + kept[0]] == 1).all()
+    # the line the horizon falls in: the first wrong line, none where every line is right
+    line = horizon_line_mask(ctx, rollout, [example] * 3, width)
+    first = [len(prompt) + len(tok.encode(c)) for c in ("00 ab\n", "", "")]
+    assert line.sum(axis=1).astype(int).tolist() == [len(tok.encode("01 cX\n")), 0, len(tok.encode("00 aX<eos>"))]
+    assert (line[0, first[0]:first[0] + 6] == 1).all() and (line * (1 - mask) == 0).all()

@@ -63,7 +63,7 @@ def test_kept_lone_samples_keep_verl_s_advantage_and_a_bad_keep_is_refused():
         group_advantages(rewards, 1, keep=np.array([True, False]))
 
 
-def test_the_veto_needs_a_threshold_below_1_and_the_group_baseline():
+def test_the_veto_needs_a_threshold_below_1_the_group_baseline_and_a_horizon_for_its_line():
     from configs.grpo_tiny import get_config
     from sparrow_jax.run.specs import ConfigError, parse_spec
 
@@ -73,6 +73,9 @@ def test_the_veto_needs_a_threshold_below_1_and_the_group_baseline():
         parse_spec(cfg)
     cfg.train.tis_veto, cfg.train.adv_baseline = 0.1, "prefix"
     with pytest.raises(ConfigError, match="train.tis_veto.*adv_baseline='group'"):
+        parse_spec(cfg)
+    cfg.train.adv_baseline, cfg.train.tis_veto_tokens = "group", "horizon_line"
+    with pytest.raises(ConfigError, match="train.tis_veto_tokens.*reward_horizon_mask=True"):
         parse_spec(cfg)
 
 

@@ -128,19 +128,42 @@ def score(ctx: RunContext, completions: list[str], examples: list[dict], pool: O
     return np.asarray([float(ctx.task.reward(c, e)) for c, e in zip(completions, examples)], np.float32)
 
 
-def reward_horizon_mask(ctx: RunContext, rollout, rows: list[dict], width: int) -> np.ndarray:
-    """float32 [B, width]: each row's completion tokens up to its task's reward horizon (the
-    token whose text reaches the horizon included; all of them where the horizon is None).
+def _horizon_spans(ctx: RunContext, rollout, rows: list[dict]) -> list[tuple[int, int, int]]:
+    """Per row (first completion position, tokens up to the reward horizon, the first of those on the
+    horizon's line): the token whose text reaches the horizon is included; where the horizon is None
+    every completion token counts and no line decided the reward (the third is then the second).
     Token boundaries come from decoding each token alone (exact for the built-in tokenizer)."""
-    out = np.zeros((len(rows), width), np.float32)
+    spans = []
     for b, example in enumerate(rows):
         start, stop = int(rollout.prompt_lens[b]), int(rollout.lengths[b])
         pieces = [ctx.tokenizer.decode([i]) for i in rollout.tokens[b, start:stop].tolist()]
-        horizon = ctx.task.reward_horizon("".join(pieces), example)
-        keep = stop - start
+        text = "".join(pieces)
+        horizon = ctx.task.reward_horizon(text, example)
+        keep = line = stop - start
         if horizon is not None:
-            keep = min(keep, int(np.searchsorted(np.cumsum([len(p) for p in pieces]), horizon)) + 1)
+            ends = np.cumsum([len(p) for p in pieces])  # each token's last character + 1
+            keep = min(keep, int(np.searchsorted(ends, horizon)) + 1)
+            line_start = text.rfind("\n", 0, max(horizon - 1, 0)) + 1  # the horizon's own newline excluded
+            line = min(keep, int(np.searchsorted(ends, line_start, side="right")))
+        spans.append((start, keep, line))
+    return spans
+
+
+def reward_horizon_mask(ctx: RunContext, rollout, rows: list[dict], width: int) -> np.ndarray:
+    """float32 [B, width]: each row's completion tokens up to its task's reward horizon (the
+    token whose text reaches the horizon included; all of them where the horizon is None)."""
+    out = np.zeros((len(rows), width), np.float32)
+    for b, (start, keep, _) in enumerate(_horizon_spans(ctx, rollout, rows)):
         out[b, start:start + keep] = 1.0
+    return out
+
+
+def horizon_line_mask(ctx: RunContext, rollout, rows: list[dict], width: int) -> np.ndarray:
+    """float32 [B, width]: the tokens of the line where each row's reward horizon falls (its first
+    wrong line: the step that decided the reward), none where the horizon is None (nothing wrong)."""
+    out = np.zeros((len(rows), width), np.float32)
+    for b, (start, keep, line) in enumerate(_horizon_spans(ctx, rollout, rows)):
+        out[b, start + line:start + keep] = 1.0
     return out
 
 
@@ -390,9 +413,10 @@ def collect_options(spec: RunSpec) -> CollectOptions:
 
 def veto_rows(loop: Loop, state: LoopState, tokens: np.ndarray, logp_sampler: np.ndarray, loss_mask: np.ndarray,
               rewards: np.ndarray) -> tuple[np.ndarray, dict]:
-    """``train.tis_veto``: the policy scores the sparse rollouts densely, and a row with a loss token
-    [B, T] whose ratio p_policy / p_sampler is below the threshold leaves the update (the dense policy
-    would rarely have made that error, so the row's reward says little about it).
+    """``train.tis_veto``: the policy scores the sparse rollouts densely, and a row with a token of
+    ``loss_mask`` [B, T] (``train.tis_veto_tokens``' tokens) whose ratio p_policy / p_sampler is below the
+    threshold leaves the update (the dense policy would rarely have made that error, so the row's reward
+    says little about it).
     -> (bool [B] rows kept, ``rollout_corr/`` metrics and ``timing_s/veto``)"""
     t0 = time.perf_counter()
     opts = loop.opts
@@ -462,7 +486,10 @@ def collect(loop: Loop, state: LoopState, key) -> tuple[Batch, dict, jax.Array]:
         if local:
             raise ValueError("train.tis_veto scores the whole batch densely in one process; set it to 0 when the "
                              "batch's rows span processes")
-        keep, veto_metrics = veto_rows(loop, state, tokens, logp, mask if loss_mask is None else loss_mask, rewards)
+        veto_mask = mask if loss_mask is None else loss_mask
+        if loop.spec.train.tis_veto_tokens == "horizon_line":
+            veto_mask = mask * horizon_line_mask(loop.ctx, rollout, rows_of_round[0], mask.shape[1])
+        keep, veto_metrics = veto_rows(loop, state, tokens, logp, veto_mask, rewards)
         metrics.update(veto_metrics)
         loss_mask = (mask if loss_mask is None else loss_mask) * keep[:, None]
     if loop.spec.train.adv_baseline == "prefix":  # [B, T]: each block of rows holds whole groups

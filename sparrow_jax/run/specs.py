@@ -161,6 +161,7 @@ class TrainSpec:
     adv_baseline: str = "group"  # group: the group's mean reward | prefix: the mean over the rows sharing a token's prefix
     tail_tokens: str = "completion"  # the acceptance tail counts every completion token | the loss's (reward horizon)
     tis_veto: float = 0.0  # reject a sparse rollout's row with a loss token whose ratio p_dense / p_sampler is below this (0: off)
+    tis_veto_tokens: str = "loss"  # the tokens the veto reads: loss (all of the loss's) | horizon_line (the first wrong line's)
 
 
 @_spec
@@ -320,6 +321,7 @@ CHOICES = {
     "train.adv_mode": ("grpo", "drgrpo"),
     "train.adv_baseline": ("group", "prefix"),
     "train.tail_tokens": ("completion", "loss"),
+    "train.tis_veto_tokens": ("loss", "horizon_line"),
     "train.loss_agg": ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum"),
     "train.tis_level": ("token", "sequence"),
     "train.kl_kind": ("k1", "k2", "k3"),
@@ -420,6 +422,8 @@ def validate(spec: RunSpec) -> None:
     _require(tr.tis_veto < 1, "train.tis_veto", tr.tis_veto, "must be < 1 (a ratio threshold; 0: off)")
     _require(not tr.tis_veto or tr.adv_baseline == "group", "train.tis_veto", tr.tis_veto,
              "needs train.adv_baseline='group' (the group's baseline is recomputed over the rows kept)")
+    _require(tr.tis_veto_tokens != "horizon_line" or tr.reward_horizon_mask, "train.tis_veto_tokens",
+             tr.tis_veto_tokens, "needs train.reward_horizon_mask=True (the line where the reward horizon falls)")
     _require(tr.overlong_buffer < r.max_new_tokens, "train.overlong_buffer", tr.overlong_buffer,
              "must be < rollout.max_new_tokens")
     _require(0 < spec.calibration.tau < 1, "calibration.tau", spec.calibration.tau, "must be in (0, 1)")
