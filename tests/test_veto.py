@@ -79,18 +79,17 @@ def test_the_veto_needs_a_threshold_below_1_the_group_baseline_and_a_horizon_for
         parse_spec(cfg)
 
 
-def test_a_collected_batch_drops_the_vetoed_rows_and_rebases_their_groups(tmp_path):
-    """The same rollouts collected without and with the veto (same policy and key): the vetoed rows are
-    those whose lowest loss-token ratio (the policy scored by hand) is below the threshold; they leave
-    the loss and get advantage 0, and each group's kept rows keep their reward differences and sum to 0."""
-    from configs.grpo_tiny import get_config
+def _collected_with_and_without_the_veto(cfg, veto_tokens: str):
+    """The same rollouts collected without and with the veto (same policy and key), at a threshold
+    between two rows' lowest ratios over the veto's tokens (scored by hand), near the median.
+    -> (plain batch, vetoed batch, veto metrics, bool [B] rows the hand scoring keeps, group size,
+    float [B, T] the tokens the veto read)"""
     from sparrow_jax.rl.train_step import policy_loss_mask, policy_logprobs
-    from sparrow_jax.rl.trainer import collect, init_state, make_loop
+    from sparrow_jax.rl.trainer import collect, horizon_line_mask, init_state, make_loop
     from sparrow_jax.run.context import build_run_context
     from sparrow_jax.run.specs import parse_spec
 
-    cfg = get_config()  # sparse rollouts (a fixed top-k) on a tiny random model
-    cfg.workdir, cfg.train.adv_mode = str(tmp_path), "drgrpo"  # drgrpo: advantages are rewards minus a baseline
+    cfg.train.adv_mode = "drgrpo"  # advantages are rewards minus a baseline
     spec = parse_spec(cfg)
     ctx = build_run_context(spec)
     loop = make_loop(spec, ctx)
@@ -98,23 +97,39 @@ def test_a_collected_batch_drops_the_vetoed_rows_and_rebases_their_groups(tmp_pa
     key = jax.random.PRNGKey(5)
     plain, plain_metrics, _ = collect(loop, state, key)
     assert "rollout_corr/rollout_is_veto_fraction" not in plain_metrics
-    loss_mask = np.asarray(policy_loss_mask(plain))
-    logp = policy_logprobs(state.train.params, plain.tokens, config=ctx.model_config, opts=loop.opts)
-    log_ratio = np.where(loss_mask > 0, np.asarray(logp) - np.asarray(plain.logp_sampler), np.inf)
-    lowest = np.sort(log_ratio.min(-1))
-    threshold = float(np.exp((lowest[7] + lowest[8]) / 2))  # between the 8th and 9th rows: half of them vetoed
-    assert 0 < threshold < 1
+    read = np.asarray(policy_loss_mask(plain))
+    if veto_tokens == "horizon_line":  # rebuild the rollout's rows to find each row's first wrong line
+        from types import SimpleNamespace
 
-    veto_spec = dataclasses.replace(spec, train=dataclasses.replace(spec.train, tis_veto=threshold))
-    batch, metrics, _ = collect(make_loop(veto_spec, ctx), state, key)
+        from sparrow_jax.rl.trainer import next_examples
+        examples, _ = next_examples(loop, state)
+        g = spec.rollout.group_size
+        tokens = np.asarray(plain.tokens)
+        lengths = np.asarray(plain.prompt_lens) + np.asarray(plain.mask).sum(-1).astype(int)
+        rollout = SimpleNamespace(tokens=tokens, prompt_lens=np.asarray(plain.prompt_lens), lengths=lengths)
+        read = read * horizon_line_mask(ctx, rollout, [e for e in examples for _ in range(g)], tokens.shape[1])
+    logp = policy_logprobs(state.train.params, plain.tokens, config=ctx.model_config, opts=loop.opts)
+    log_ratio = np.where(read > 0, np.asarray(logp) - np.asarray(plain.logp_sampler), np.inf)
+    lowest = np.unique(log_ratio.min(-1))  # rows of a group can share their lowest token: ties
+    lowest = lowest[lowest < 0]
+    split = len(lowest) // 2  # a threshold between two rows' lowest ratios vetoes some rows, not all
+    assert split >= 1
+    threshold = float(np.exp((lowest[split - 1] + lowest[split]) / 2))
+
+    train = dataclasses.replace(spec.train, tis_veto=threshold, tis_veto_tokens=veto_tokens)
+    batch, metrics, _ = collect(make_loop(dataclasses.replace(spec, train=train), ctx), state, key)
     np.testing.assert_array_equal(np.asarray(batch.tokens), np.asarray(plain.tokens))
-    kept = log_ratio.min(-1) >= np.log(threshold)
-    assert kept.sum() == 8
-    assert metrics["rollout_corr/rollout_is_veto_fraction"] == pytest.approx(0.5)
+    return plain, batch, metrics, log_ratio.min(-1) >= np.log(threshold), spec.rollout.group_size, read
+
+
+def _assert_vetoed_rows_leave_and_groups_rebase(plain, batch, metrics, kept, g):
+    from sparrow_jax.rl.train_step import policy_loss_mask
+
+    assert 0 < kept.sum() < len(kept)
+    assert metrics["rollout_corr/rollout_is_veto_fraction"] == pytest.approx(1 - kept.mean())
     assert metrics["timing_s/veto"] > 0
-    np.testing.assert_array_equal(np.asarray(batch.loss_mask), loss_mask * kept[:, None])
+    np.testing.assert_array_equal(np.asarray(batch.loss_mask), np.asarray(policy_loss_mask(plain)) * kept[:, None])
     adv, adv_plain = np.asarray(batch.advantages), np.asarray(plain.advantages)
-    g = spec.rollout.group_size
     for rows in np.arange(len(kept)).reshape(-1, g):
         k = rows[kept[rows]]
         if len(k) < 2:
@@ -123,6 +138,33 @@ def test_a_collected_batch_drops_the_vetoed_rows_and_rebases_their_groups(tmp_pa
         np.testing.assert_array_equal(adv[rows[~kept[rows]]], 0.0)
         np.testing.assert_allclose(adv[k] - adv[k[0]], adv_plain[k] - adv_plain[k[0]], atol=1e-6)
         assert abs(adv[k].sum()) < 1e-5
+
+
+def test_a_collected_batch_drops_the_vetoed_rows_and_rebases_their_groups(tmp_path):
+    """Veto over every loss token: the vetoed rows are those whose lowest loss-token ratio (the policy
+    scored by hand) is below the threshold; they leave the loss and get advantage 0, and each group's
+    kept rows keep their reward differences and sum to 0."""
+    from configs.grpo_tiny import get_config
+
+    cfg = get_config()  # sparse rollouts (a fixed top-k) on a tiny random model
+    cfg.workdir = str(tmp_path)
+    _assert_vetoed_rows_leave_and_groups_rebase(*_collected_with_and_without_the_veto(cfg, "loss")[:5])
+
+
+def test_the_horizon_line_veto_reads_each_row_s_first_wrong_line(tmp_path):
+    """tis_veto_tokens=horizon_line with the shipped headline warm-up (its rows get lines right before
+    the first wrong one, so that line is a strict part of the loss): the vetoed rows are those whose
+    first wrong line holds a token below the threshold."""
+    from configs.headline import get_config
+
+    cfg = get_config()  # recurrence_trace, the loss cut at the reward horizon
+    cfg.workdir, cfg.schedule.kind, cfg.schedule.topk = str(tmp_path), "fixed", 4
+    cfg.rollout.prompts_per_step, cfg.rollout.group_size, cfg.rollout.max_new_tokens = 4, 4, 96
+    cfg.train.kl_coef, cfg.train.horizon_groups = 0.0, 0
+    plain, batch, metrics, kept, g, read = _collected_with_and_without_the_veto(cfg, "horizon_line")
+    from sparrow_jax.rl.train_step import policy_loss_mask
+    assert (read.sum(-1) < np.asarray(policy_loss_mask(plain)).sum(-1)).any()  # not the whole loss span
+    _assert_vetoed_rows_leave_and_groups_rebase(plain, batch, metrics, kept, g)
 
 
 def test_policy_logprobs_are_the_dense_logits_log_softmax_at_the_next_token():

@@ -149,22 +149,25 @@ def _horizon_spans(ctx: RunContext, rollout, rows: list[dict]) -> list[tuple[int
     return spans
 
 
+def _spans_mask(spans: list[tuple[int, int, int]], width: int, from_line: bool) -> np.ndarray:
+    """float32 [B, width] over :func:`_horizon_spans`' tokens up to the horizon, from the first
+    completion token or (``from_line``) from the first token of the horizon's line."""
+    out = np.zeros((len(spans), width), np.float32)
+    for b, (start, keep, line) in enumerate(spans):
+        out[b, start + (line if from_line else 0):start + keep] = 1.0
+    return out
+
+
 def reward_horizon_mask(ctx: RunContext, rollout, rows: list[dict], width: int) -> np.ndarray:
     """float32 [B, width]: each row's completion tokens up to its task's reward horizon (the
     token whose text reaches the horizon included; all of them where the horizon is None)."""
-    out = np.zeros((len(rows), width), np.float32)
-    for b, (start, keep, _) in enumerate(_horizon_spans(ctx, rollout, rows)):
-        out[b, start:start + keep] = 1.0
-    return out
+    return _spans_mask(_horizon_spans(ctx, rollout, rows), width, from_line=False)
 
 
 def horizon_line_mask(ctx: RunContext, rollout, rows: list[dict], width: int) -> np.ndarray:
     """float32 [B, width]: the tokens of the line where each row's reward horizon falls (its first
     wrong line: the step that decided the reward), none where the horizon is None (nothing wrong)."""
-    out = np.zeros((len(rows), width), np.float32)
-    for b, (start, keep, line) in enumerate(_horizon_spans(ctx, rollout, rows)):
-        out[b, start + line:start + keep] = 1.0
-    return out
+    return _spans_mask(_horizon_spans(ctx, rollout, rows), width, from_line=True)
 
 
 def finite_rewards(rewards: np.ndarray) -> tuple[np.ndarray, float]:
@@ -477,9 +480,10 @@ def collect(loop: Loop, state: LoopState, key) -> tuple[Batch, dict, jax.Array]:
     width = int(gather(np.asarray([rollout.lengths.max()])).max())  # the same padded length everywhere
     tokens, mask, logp = _pad_batch(rollout, width)
     mask = mask_truncated(mask, ~rows_in_loss)
-    loss_mask = None
-    if loop.spec.train.reward_horizon_mask:
-        loss_mask = mask * reward_horizon_mask(loop.ctx, rollout, rows_of_round[0], mask.shape[1])
+    loss_mask = spans = None
+    if loop.spec.train.reward_horizon_mask:  # each row's tokens decoded once for both masks
+        spans = _horizon_spans(loop.ctx, rollout, rows_of_round[0])
+        loss_mask = mask * _spans_mask(spans, mask.shape[1], from_line=False)
         metrics["actor/reward_horizon_token_share"] = float(loss_mask.sum() / max(mask.sum(), 1.0))
     keep = None
     if loop.spec.train.tis_veto > 0 and schedule is not None:
@@ -487,8 +491,8 @@ def collect(loop: Loop, state: LoopState, key) -> tuple[Batch, dict, jax.Array]:
             raise ValueError("train.tis_veto scores the whole batch densely in one process; set it to 0 when the "
                              "batch's rows span processes")
         veto_mask = mask if loss_mask is None else loss_mask
-        if loop.spec.train.tis_veto_tokens == "horizon_line":
-            veto_mask = mask * horizon_line_mask(loop.ctx, rollout, rows_of_round[0], mask.shape[1])
+        if loop.spec.train.tis_veto_tokens == "horizon_line":  # the spec requires reward_horizon_mask
+            veto_mask = mask * _spans_mask(spans, mask.shape[1], from_line=True)
         keep, veto_metrics = veto_rows(loop, state, tokens, logp, veto_mask, rewards)
         metrics.update(veto_metrics)
         loss_mask = (mask if loss_mask is None else loss_mask) * keep[:, None]
