@@ -86,10 +86,13 @@ def test_fused_old_log_probs_give_the_separate_pass_step(case, timed):
 
 
 @pytest.mark.parametrize("separate_old_pass", [False, True])
-def test_loss_mask_narrows_the_loss_not_the_statistics(separate_old_pass):
+@pytest.mark.parametrize("tis_level", ["token", "sequence"])
+def test_loss_mask_narrows_the_loss_not_the_statistics(separate_old_pass, tis_level):
     """``Batch.loss_mask`` (completions cut at their reward horizon): the update is the one of a
-    batch whose mask is the loss mask, the mismatch statistics those of the full mask."""
-    opts = dataclasses.replace(BASE, separate_old_pass=separate_old_pass)
+    batch whose mask is the loss mask, the mismatch statistics those of the full mask. At sequence
+    level the TIS ratio is the product over the loss's tokens, on either path: the tokens past the
+    horizon do not decide the reward the update weighs."""
+    opts = dataclasses.replace(BASE, separate_old_pass=separate_old_pass, tis_level=tis_level)
     optimizer = optax.sgd(0.1)
     params = init_params(CONFIG, seed=1)
     full = _batch()

@@ -476,8 +476,11 @@ def _old_policy(params, batch: Batch, *, config: Qwen3Config, opts: StepOptions,
     """No grad: the policy that produced the batch scores it (logp_old, also the TIS reference),
     then TIS weights and ratio masking. -> (logp_old, DensePass or None, weights or None, loss mask, metrics)"""
     logp_old, dense = _no_grad_logprobs(config, params, batch.tokens, chunks, opts, keep_hidden, shared_prefix)
-    weights, loss_mask, out = _tis(logp_old, batch.logp_sampler, batch.mask, opts)
-    return logp_old, dense, weights, loss_mask * policy_loss_mask(batch), out
+    # the weights over the loss's tokens (a sequence ratio is their product, as in the on-policy step: the
+    # tokens past the reward horizon do not decide the reward), the metrics over every completion token
+    weights, loss_mask, _ = _tis(logp_old, batch.logp_sampler, policy_loss_mask(batch), opts)
+    out = _tis(logp_old, batch.logp_sampler, batch.mask, opts)[2]
+    return logp_old, dense, weights, loss_mask, out
 
 
 def _ref_logprobs(ref_params, tokens, *, config: Qwen3Config, opts: StepOptions, chunks: int):
