@@ -13,9 +13,10 @@ wrong line (``train.tis_veto_tokens="horizon_line"``) never rejects a row with n
 group's advantages are recomputed over the rows kept. Dense rollouts are never vetoed (their ratio is 1),
 so the dense arm is headline_norm.py's.
 
-Measured (docs/results.md; seeds 0 and 1, 128 held-out prompts x 4, paired): veto at 0.5 rejects ~48% of
-the rows and trains the dense policy to +0.098 +- 0.017, **0.040 +- 0.012 below dense** (0.031 / 0.050 per
-seed), against 0.080 without it (+0.040 +- 0.015 over the unvetoed arm, paired); at 0.1 (24% rejected)
+Measured (docs/results.md; 128 held-out prompts x 4, paired): veto at 0.5 rejects ~48% of the rows and
+trains the dense policy to +0.095 +- 0.013, **0.046 +- 0.011 below dense** over seeds 0-2 (0.031 / 0.050 /
+0.057 per seed; ``"--config.study.seeds=(0,1,2)"``), against 0.080 without it at seeds 0 and 1 (+0.040 +-
+0.015 over the unvetoed arm, paired); at seeds 0 and 1, 0.1 (24% rejected)
 0.055 +- 0.012 below, at 0.9 (65% rejected) 0.054 +- 0.009. The bound, max(1 SE, 20% of the dense gain) =
 0.028, is not met. The veto's dense pass takes ~1.1 s of the ~4.6 s RL step. With every weight trained
 (headline_sparse.py plus the same veto) the sparse actor drifts and the veto costs 0.053 +- 0.017 instead:
