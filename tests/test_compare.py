@@ -91,6 +91,16 @@ def test_compare_arms_by_hand(studies, tmp_path):
     greedy = compare_arms([Entry("dense", a, "dense"), Entry("b", b, "calibrated")], metric="reward_greedy")
     assert greedy["arms"]["b"]["vs_reference"] == 0.0
 
+    # a study of one seed logs its arm in <arm>/, not <arm>/seed_<s>/ (its config.json names the seed)
+    (tmp_path / "a" / "dense").mkdir()
+    (tmp_path / "a" / "dense" / "metrics.jsonl").write_text("\n".join(json.dumps(x) for x in rows) + "\n")
+    assert compare_arms([Entry("dense", a, "dense")])["arms"]["dense"]["training"] == {}  # no config.json: unknown
+    (tmp_path / "a" / "config.json").write_text(json.dumps({"seed": 0, "study": {"seeds": [5]}}))
+    assert compare_arms([Entry("dense", a, "dense")])["arms"]["dense"]["training"] == {}  # another seed's run
+    (tmp_path / "a" / "config.json").write_text(json.dumps({"seed": 0, "study": {"seeds": []}}))
+    one = compare_arms([Entry("dense", a, "dense")])["arms"]["dense"]["training"]
+    assert list(one) == [0] and one[0] == edges
+
 
 def test_compare_refuses_what_does_not_pair(studies, tmp_path):
     a, b, r = studies

@@ -6,8 +6,8 @@ sampled densely with one key on the same held-out prompts. Two studies' records 
 made with the same evaluation setting (prompts, samples, key, steps) and score the start policy the same,
 prompt by prompt (the same policy on the same prompts with the same key: checked exactly). Then an arm of
 one study and an arm of another are compared like the arms of one study: per seed, the per-prompt
-difference; over seeds, :func:`~sparrow_jax.run.headline.combine_seeds` (the per-seed error over prompts,
-plus the spread between seeds). Unlike :func:`~sparrow_jax.run.final_eval_figures.merge_records`, which
+difference; over seeds, :func:`~sparrow_jax.run.final_eval_figures.paired_over_seeds` (the per-seed error over
+prompts, plus the spread between seeds). Unlike :func:`~sparrow_jax.run.final_eval_figures.merge_records`, which
 merges seeds of one study run in several workdirs, the arms compared here may share a name
 (``calibrated`` in both) and are told apart by their labels.
 
@@ -22,10 +22,10 @@ from typing import NamedTuple, Optional
 import numpy as np
 
 from sparrow_jax.io.metrics import read_metrics
-from sparrow_jax.run.final_eval_figures import FINAL_EVAL_FILE, MERGED_SETTINGS, START, run_name
-from sparrow_jax.run.headline import combine_seeds, step_seconds
+from sparrow_jax.run.final_eval_figures import (FINAL_EVAL_FILE, START, check_same_setting, paired_over_seeds,
+                                                run_name, start_run_name)
+from sparrow_jax.run.headline import step_seconds
 from sparrow_jax.run.report import training_rows
-from sparrow_jax.stats import mean_and_se
 
 EDGE_STEPS = 10  # a training metric's start and end: its mean over the first and the last this many steps
 # training metrics read from each run's metrics.jsonl (mean over the first / last EDGE_STEPS steps)
@@ -58,18 +58,28 @@ def _load_record(workdir: str) -> dict:
         return json.load(f)
 
 
-def _start_name(record: dict, seed: int) -> str:
-    return START if START in record["runs"] else run_name(START, seed)
+def _run_dir(workdir: str, arm: str, seed: int) -> Optional[str]:
+    """The directory of ``arm``'s run at ``seed``: ``<arm>/seed_<s>``, or ``<arm>`` in a study of that one seed
+    (its ``config.json``; :func:`~sparrow_jax.run.study.study_seeds`); None when neither logged a step."""
+    logged = lambda d: os.path.exists(os.path.join(d, "metrics.jsonl"))  # noqa: E731
+    run = os.path.join(workdir, arm, f"seed_{seed}")
+    if logged(run):
+        return run
+    config_path = os.path.join(workdir, "config.json")
+    if not os.path.exists(config_path):
+        return None
+    with open(config_path) as f:
+        config = json.load(f)
+    seeds = list((config.get("study") or {}).get("seeds") or [config.get("seed")])
+    run = os.path.join(workdir, arm)
+    return run if seeds == [seed] and logged(run) else None
 
 
 def _check_same_evaluation(records: dict[str, dict]) -> None:
     """Raise ValueError unless every record has the first one's evaluation setting and start policy scores."""
     (first_dir, first), *rest = records.items()
     for workdir, record in rest:
-        for key in MERGED_SETTINGS:
-            if record.get(key) != first.get(key):
-                raise ValueError(f"{workdir}: final evaluation {key}={record.get(key)!r} where {first_dir} has "
-                                 f"{first.get(key)!r}: not the same evaluation")
+        check_same_setting(workdir, record, first_dir, first)
         shared = [name for name in first["runs"] if name.partition("/")[0] == START and name in record["runs"]]
         if not shared:
             raise ValueError(f"{workdir} and {first_dir} share no start policy entry: their pairing is unknown")
@@ -127,10 +137,6 @@ def compare_arms(entries: list[Entry], metric: Optional[str] = None) -> dict:
             raise ValueError(f"{e.workdir}: {name!r} has no {metric!r} (has {sorted(run)})")
         return np.asarray(run[metric], np.float64)
 
-    def over_seeds(pairs: list[tuple[np.ndarray, Optional[np.ndarray]]]) -> tuple[Optional[float], Optional[float]]:
-        stats = [mean_and_se(a if b is None else a - b) for a, b in pairs]
-        return combine_seeds([m for m, _ in stats], [s for _, s in stats])
-
     reference = entries[0]
     ref_seeds = seeds_of(reference)
     arms = {}
@@ -138,19 +144,19 @@ def compare_arms(entries: list[Entry], metric: Optional[str] = None) -> dict:
         seeds = seeds_of(e)
         ends = [values(e, run_name(e.arm, s)) for s in seeds]
         row: dict = {"workdir": e.workdir, "arm": e.arm, "seeds": seeds}
-        row["end"], row["end_se"] = over_seeds([(x, None) for x in ends])
-        row["change"], row["change_se"] = over_seeds(
-            [(x, values(e, _start_name(records[e.workdir], s))) for x, s in zip(ends, seeds)])
+        row["end"], row["end_se"] = paired_over_seeds([(x, None) for x in ends])
+        row["change"], row["change_se"] = paired_over_seeds(
+            [(x, values(e, start_run_name(records[e.workdir]["runs"], s))) for x, s in zip(ends, seeds)])
         if e is not reference:
             common = [s for s in seeds if s in ref_seeds]
             if not common:
                 raise ValueError(f"{e.label}: seeds {seeds} share none with the reference {reference.label}'s "
                                  f"{ref_seeds}")
             pairs = [(values(e, run_name(e.arm, s)), values(reference, run_name(reference.arm, s))) for s in common]
-            row["vs_reference"], row["vs_reference_se"] = over_seeds(pairs)
+            row["vs_reference"], row["vs_reference_se"] = paired_over_seeds(pairs)
             row["vs_reference_by_seed"] = {s: float(np.mean(a - b)) for s, (a, b) in zip(common, pairs)}
-        row["training"] = {s: _training_edges(os.path.join(e.workdir, e.arm, f"seed_{s}")) for s in seeds
-                           if os.path.exists(os.path.join(e.workdir, e.arm, f"seed_{s}", "metrics.jsonl"))}
+        run_dirs = {s: _run_dir(e.workdir, e.arm, s) for s in seeds}
+        row["training"] = {s: _training_edges(d) for s, d in run_dirs.items() if d}
         arms[e.label] = row
     return {"metric": metric, "prompts": first["prompts"], "k": first["k"], "reference": reference.label,
             "arms": arms}

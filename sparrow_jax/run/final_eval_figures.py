@@ -19,12 +19,17 @@ def run_name(arm: str, seed: int) -> str:
     return f"{arm}/seed_{seed}"
 
 
-def _paired(pairs: list[tuple[np.ndarray, Optional[np.ndarray]]]) -> tuple[Optional[float], Optional[float]]:
+def paired_over_seeds(pairs: list[tuple[np.ndarray, Optional[np.ndarray]]]) -> tuple[Optional[float], Optional[float]]:
     """Over seeds: the mean over prompts of ``a - b`` (``a`` alone when ``b`` is None) and its standard
     error (:func:`~sparrow_jax.run.headline.combine_seeds`: the per-seed error over prompts, plus the
     spread between seeds)."""
     stats = [mean_and_se(a if b is None else a - b) for a, b in pairs]
     return combine_seeds([m for m, _ in stats], [s for _, s in stats])
+
+
+def start_run_name(runs: dict, seed: int) -> str:
+    """The start policy's entry among ``runs`` for ``seed``: one for every seed, or one per seed."""
+    return START if START in runs else run_name(START, seed)
 
 
 def _with_same_runs(data: dict) -> dict[str, dict]:
@@ -47,10 +52,9 @@ def paired_figures(data: dict) -> dict:
     "change", "change_se", "vs_dense", "vs_dense_se"}}}}`` for ``reward_mean@k`` and
     ``reward_greedy``: ``change`` is the end minus the start policy's reward on the same prompts,
     ``vs_dense`` the arm's minus the dense arm's at the same seed (absent for the dense arm or without
-    it); every error is over prompts and seeds (:func:`_paired`). Arms of ``data["same_run_as"]``
+    it); every error is over prompts and seeds (:func:`paired_over_seeds`). Arms of ``data["same_run_as"]``
     get the figures of the runs they reuse."""
     runs = _with_same_runs(data)
-    start_of = lambda seed: START if START in runs else run_name(START, seed)  # noqa: E731
     done: dict[str, list[int]] = {}
     for name in runs:
         arm, _, seed = name.rpartition("/seed_")
@@ -59,25 +63,35 @@ def paired_figures(data: dict) -> dict:
     out = {"prompts": data["prompts"], "k": data["k"], "steps": data.get("steps")}
     for metric in (f"reward_mean@{data['k']}", "reward_greedy"):
         values = lambda name: np.asarray(runs[name][metric], np.float64)  # noqa: E731
-        starts = [values(n) for n in sorted({start_of(s) for ss in done.values() for s in ss}) if n in runs]
-        start, start_se = _paired([(x, None) for x in starts])
+        starts = [values(n) for n in sorted({start_run_name(runs, s) for ss in done.values() for s in ss}) if n in runs]
+        start, start_se = paired_over_seeds([(x, None) for x in starts])
         arms = {}
         for arm, seeds in done.items():
-            seeds = [s for s in sorted(seeds) if start_of(s) in runs]
+            seeds = [s for s in sorted(seeds) if start_run_name(runs, s) in runs]
             row = {"seeds": seeds}
             end = [values(run_name(arm, s)) for s in seeds]
-            row["end"], row["end_se"] = _paired([(x, None) for x in end])
-            row["change"], row["change_se"] = _paired([(x, values(start_of(s))) for x, s in zip(end, seeds)])
+            row["end"], row["end_se"] = paired_over_seeds([(x, None) for x in end])
+            row["change"], row["change_se"] = paired_over_seeds(
+                [(x, values(start_run_name(runs, s))) for x, s in zip(end, seeds)])
             dense = [s for s in seeds if run_name("dense", s) in runs]
             if arm != "dense" and dense:
-                row["vs_dense"], row["vs_dense_se"] = _paired([(values(run_name(arm, s)), values(run_name("dense", s)))
-                                                               for s in dense])
+                row["vs_dense"], row["vs_dense_se"] = paired_over_seeds(
+                    [(values(run_name(arm, s)), values(run_name("dense", s))) for s in dense])
             arms[arm] = row
         out[metric] = {"start": start, "start_se": start_se, "arms": arms}
     return out
 
 
 MERGED_SETTINGS = ("prompts", "k", "seed", "steps")  # what records must share to be merged
+
+
+def check_same_setting(name: str, record: dict, first_name: str, first: dict) -> None:
+    """Raise ValueError, naming both workdirs, unless ``record`` was made with ``first``'s evaluation
+    setting (:data:`MERGED_SETTINGS`)."""
+    for k in MERGED_SETTINGS:
+        if record.get(k) != first.get(k):
+            raise ValueError(f"{name}: final evaluation {k}={record.get(k)!r} where {first_name} has "
+                             f"{first.get(k)!r}: not the same evaluation")
 
 
 def merge_records(records: dict[str, dict]) -> dict:
@@ -93,10 +107,7 @@ def merge_records(records: dict[str, dict]) -> dict:
     merged = {k: first.get(k) for k in MERGED_SETTINGS}
     runs, origin = dict(first["runs"]), dict.fromkeys(first["runs"], first_name)
     for name, record in rest:
-        for k in MERGED_SETTINGS:
-            if record.get(k) != merged[k]:
-                raise ValueError(f"{name}: final evaluation {k}={record.get(k)!r} where {first_name} has "
-                                 f"{merged[k]!r}: not the same evaluation")
+        check_same_setting(name, record, first_name, merged)
         for run, values in record["runs"].items():
             if run in runs and runs[run] != values:
                 raise ValueError(f"{name} and {origin[run]} both evaluated {run!r}, with different rewards (compared "
