@@ -227,6 +227,9 @@ def train_config() -> ConfigDict:
         # of each row's first wrong line: a row is rejected only when the error that ended its reward is one
         # the dense policy would rarely have made; a row with nothing wrong is never rejected)
         tis_veto_tokens="loss",
+        # a group's advantages with the veto: kept (mean and std over its kept rows; a group left with one row
+        # gives none) | all (over all its rows, as without the veto; only the rejected rows get 0)
+        tis_veto_baseline="kept",
         # seq-mean loss divisor: valid (non-empty rows) | all (every row, as verl) | auto (all iff masking is on)
         seq_mean_rows="auto",
         kl_coef=0.0,  # KL-to-reference coefficient; the reference is the initial policy (0: none kept)

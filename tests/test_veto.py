@@ -55,6 +55,23 @@ def test_kept_rows_get_their_own_group_s_advantages(mode):
     np.testing.assert_allclose(every, np.asarray(group_advantages(jnp.asarray(rewards), 4, mode=mode)), rtol=1e-6)
 
 
+@pytest.mark.parametrize("mode", ["grpo", "drgrpo"])
+def test_the_all_rows_baseline_zeroes_only_the_rejected_rows(mode):
+    """veto_baseline="all": each group's mean and std over all its rows, so a lone kept row keeps its advantage."""
+    rng = np.random.RandomState(2)
+    rewards = rng.rand(12).astype(np.float32)
+    keep = np.array([1, 0, 0, 0] + [1, 1, 0, 1] + [0, 0, 0, 0], bool)
+    got = np.asarray(group_advantages(jnp.asarray(rewards), 4, mode=mode, keep=keep, veto_baseline="all"))
+    r = rewards.reshape(3, 4)  # the reference: plain GRPO over whole groups, then the rejected rows zeroed
+    plain = (r - r.mean(1, keepdims=True)) / ((r.std(1, ddof=1, keepdims=True) + 1e-6) if mode == "grpo" else 1.0)
+    np.testing.assert_allclose(got, np.where(keep, plain.reshape(12), 0.0), rtol=1e-5, atol=1e-6)
+    assert got[0] != 0  # the kept rows' own baseline would give this lone row nothing
+    with pytest.raises(ValueError, match="veto_baseline must be one of"):
+        group_advantages(jnp.asarray(rewards), 4, keep=keep, veto_baseline="mean")
+    with pytest.raises(ValueError, match="keep must be bool"):
+        group_advantages(jnp.asarray(rewards), 4, keep=keep[:8], veto_baseline="all")
+
+
 def test_kept_lone_samples_keep_verl_s_advantage_and_a_bad_keep_is_refused():
     rewards = jnp.asarray([0.3, 0.7, 0.1])
     got = np.asarray(group_advantages(rewards, 1, keep=np.array([True, False, True])))
@@ -79,7 +96,7 @@ def test_the_veto_needs_a_threshold_below_1_the_group_baseline_and_a_horizon_for
         parse_spec(cfg)
 
 
-def _collected_with_and_without_the_veto(cfg, veto_tokens: str):
+def _collected_with_and_without_the_veto(cfg, veto_tokens: str, veto_baseline: str = "kept"):
     """The same rollouts collected without and with the veto (same policy and key), at a threshold
     between two rows' lowest ratios over the veto's tokens (scored by hand), near the median.
     -> (plain batch, vetoed batch, veto metrics, bool [B] rows the hand scoring keeps, group size,
@@ -116,7 +133,8 @@ def _collected_with_and_without_the_veto(cfg, veto_tokens: str):
     assert split >= 1
     threshold = float(np.exp((lowest[split - 1] + lowest[split]) / 2))
 
-    train = dataclasses.replace(spec.train, tis_veto=threshold, tis_veto_tokens=veto_tokens)
+    train = dataclasses.replace(spec.train, tis_veto=threshold, tis_veto_tokens=veto_tokens,
+                                tis_veto_baseline=veto_baseline)
     batch, metrics, _ = collect(make_loop(dataclasses.replace(spec, train=train), ctx), state, key)
     np.testing.assert_array_equal(np.asarray(batch.tokens), np.asarray(plain.tokens))
     return plain, batch, metrics, log_ratio.min(-1) >= np.log(threshold), spec.rollout.group_size, read
@@ -128,6 +146,7 @@ def _assert_vetoed_rows_leave_and_groups_rebase(plain, batch, metrics, kept, g):
     assert 0 < kept.sum() < len(kept)
     assert metrics["rollout_corr/rollout_is_veto_fraction"] == pytest.approx(1 - kept.mean())
     assert metrics["timing_s/veto"] > 0
+    assert metrics["rollout_corr/rows_with_advantage"] == pytest.approx(np.mean(np.asarray(batch.advantages) != 0))
     np.testing.assert_array_equal(np.asarray(batch.loss_mask), np.asarray(policy_loss_mask(plain)) * kept[:, None])
     adv, adv_plain = np.asarray(batch.advantages), np.asarray(plain.advantages)
     for rows in np.arange(len(kept)).reshape(-1, g):
@@ -149,6 +168,22 @@ def test_a_collected_batch_drops_the_vetoed_rows_and_rebases_their_groups(tmp_pa
     cfg = get_config()  # sparse rollouts (a fixed top-k) on a tiny random model
     cfg.workdir = str(tmp_path)
     _assert_vetoed_rows_leave_and_groups_rebase(*_collected_with_and_without_the_veto(cfg, "loss")[:5])
+
+
+def test_with_the_all_rows_baseline_kept_rows_keep_their_unvetoed_advantages(tmp_path):
+    """tis_veto_baseline=all: the vetoed rows leave the loss with advantage 0, and every kept row keeps the
+    advantage it had without the veto (its group's baseline is over all of its rows)."""
+    from configs.grpo_tiny import get_config
+    from sparrow_jax.rl.train_step import policy_loss_mask
+
+    cfg = get_config()
+    cfg.workdir = str(tmp_path)
+    plain, batch, metrics, kept, g, _ = _collected_with_and_without_the_veto(cfg, "loss", veto_baseline="all")
+    assert 0 < kept.sum() < len(kept)
+    np.testing.assert_array_equal(np.asarray(batch.loss_mask), np.asarray(policy_loss_mask(plain)) * kept[:, None])
+    adv, adv_plain = np.asarray(batch.advantages), np.asarray(plain.advantages)
+    np.testing.assert_array_equal(adv, np.where(kept, adv_plain, 0.0))
+    assert metrics["rollout_corr/rows_with_advantage"] == pytest.approx(np.mean(adv != 0))
 
 
 def test_the_horizon_line_veto_reads_each_row_s_first_wrong_line(tmp_path):

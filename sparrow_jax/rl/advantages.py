@@ -26,10 +26,11 @@ import numpy as np
 
 ADVANTAGE_MODES = ("grpo", "drgrpo")
 ADVANTAGE_BASELINES = ("group", "prefix")
+VETO_BASELINES = ("kept", "all")
 
 
 def group_advantages(rewards: jax.Array, group_size: int, mode: str = "grpo",
-                     eps: float = 1e-6, keep=None) -> jax.Array:
+                     eps: float = 1e-6, keep=None, veto_baseline: str = "kept") -> jax.Array:
     """Per-completion advantage from per-completion scalar rewards.
 
     Args:
@@ -41,6 +42,9 @@ def group_advantages(rewards: jax.Array, group_size: int, mode: str = "grpo",
         others). A group's mean and std are then those of its kept rows; rejected rows get 0, and
         so does every row of a group with fewer than 2 kept rows (nothing to compare with), except
         at ``group_size`` 1, where a kept row gets verl's lone-sample advantage.
+      veto_baseline: with ``keep``, "kept" (above) or "all": each group's mean and std are over all
+        of its rows, as without the veto, and only the rejected rows' advantages are zeroed, so a
+        group with one kept row still gives it a comparison.
 
     Returns:
       [N] advantages in the dtype of ``rewards`` (float32 for integer rewards). Carry no
@@ -61,6 +65,13 @@ def group_advantages(rewards: jax.Array, group_size: int, mode: str = "grpo",
         rewards = rewards.astype(jnp.float32)
     rewards = jax.lax.stop_gradient(rewards)
     r = rewards.reshape(n // group_size, group_size)
+    if veto_baseline not in VETO_BASELINES:
+        raise ValueError(f"group_advantages: veto_baseline must be one of {VETO_BASELINES}, got {veto_baseline!r}")
+    if keep is not None and veto_baseline == "all":
+        keep = jnp.asarray(keep, bool)
+        if keep.shape != (n,):
+            raise ValueError(f"group_advantages: keep must be bool [N] = [{n}], got shape {keep.shape}")
+        return jnp.where(keep, group_advantages(rewards, group_size, mode, eps), 0.0).astype(rewards.dtype)
     if keep is not None:
         return _kept_group_advantages(r, jnp.asarray(keep, bool), mode, eps).reshape(n).astype(rewards.dtype)
     if group_size == 1:

@@ -499,7 +499,10 @@ def collect(loop: Loop, state: LoopState, key) -> tuple[Batch, dict, jax.Array]:
     if loop.spec.train.adv_baseline == "prefix":  # [B, T]: each block of rows holds whole groups
         adv = prefix_advantages(learned, tokens, mask, g, mode=loop.spec.train.adv_mode)
     else:
-        adv = np.asarray(group_advantages(jnp.asarray(learned), g, mode=loop.spec.train.adv_mode, keep=keep))
+        adv = np.asarray(group_advantages(jnp.asarray(learned), g, mode=loop.spec.train.adv_mode, keep=keep,
+                                          veto_baseline=loop.spec.train.tis_veto_baseline))
+    if keep is not None:  # the rows whose update carries a comparison (a group left with one row may not)
+        metrics["rollout_corr/rows_with_advantage"] = float(np.mean(adv != 0))
     fields = Batch(tokens, mask, logp, adv, rollout.prompt_lens, loss_mask)
     if local:
         batch = Batch(*(None if x is None else rows_to_global(x, loop.mesh, num_rows) for x in fields))

@@ -162,6 +162,7 @@ class TrainSpec:
     tail_tokens: str = "completion"  # the acceptance tail counts every completion token | the loss's (reward horizon)
     tis_veto: float = 0.0  # reject a sparse rollout's row with a loss token whose ratio p_dense / p_sampler is below this (0: off)
     tis_veto_tokens: str = "loss"  # the tokens the veto reads: loss (all of the loss's) | horizon_line (the first wrong line's)
+    tis_veto_baseline: str = "kept"  # a group's advantage baseline with the veto: kept (its kept rows) | all (all its rows)
 
 
 @_spec
@@ -322,6 +323,7 @@ CHOICES = {
     "train.adv_baseline": ("group", "prefix"),
     "train.tail_tokens": ("completion", "loss"),
     "train.tis_veto_tokens": ("loss", "horizon_line"),
+    "train.tis_veto_baseline": ("kept", "all"),
     "train.loss_agg": ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum"),
     "train.tis_level": ("token", "sequence"),
     "train.kl_kind": ("k1", "k2", "k3"),
