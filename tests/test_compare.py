@@ -57,7 +57,7 @@ def test_compare_arms_by_hand(studies, tmp_path):
     run.mkdir(parents=True)
     rows = [{"step": 0, "val/dense/reward_mean@2": 0.1}]
     rows += [{"step": i, "reward_mean": 0.1 * i, "actor/entropy": float(i), "rollout_corr/rollout_is_veto_fraction": 0.5,
-              "timing_s/gen": float(i), "timing_s/update_actor": 1.0, "timing_s/veto": 0.5} for i in range(1, 13)]
+              "rollout_corr/rows_with_advantage": 0.05 * i, "timing_s/gen": float(i), "timing_s/update_actor": 1.0, "timing_s/veto": 0.5} for i in range(1, 13)]
     (run / "metrics.jsonl").write_text("\n".join(json.dumps(x) for x in rows) + "\n")
 
     fig = compare_arms([Entry("dense", a, "dense"), parse_entry(f"{a}:calibrated=no change"),
@@ -81,6 +81,7 @@ def test_compare_arms_by_hand(studies, tmp_path):
     assert edges["actor/entropy"] == pytest.approx([5.5, 7.5])
     assert edges["reward_mean"] == pytest.approx([0.55, 0.75])
     assert edges["rollout_corr/rollout_is_veto_fraction"] == pytest.approx([0.5, 0.5])
+    assert edges["rollout_corr/rows_with_advantage"] == pytest.approx([0.275, 0.375])
     assert edges["step_s"] == pytest.approx([np.median([i + 1.5 for i in range(2, 13)])])
     assert list(other["training"]) == [0]  # the other seeds logged nothing
 

@@ -29,7 +29,8 @@ from sparrow_jax.run.report import training_rows
 
 EDGE_STEPS = 10  # a training metric's start and end: its mean over the first and the last this many steps
 # training metrics read from each run's metrics.jsonl (mean over the first / last EDGE_STEPS steps)
-TRAINING_METRICS = ("actor/entropy", "reward_mean", "rollout_corr/rollout_is_veto_fraction")
+TRAINING_METRICS = ("actor/entropy", "reward_mean", "rollout_corr/rollout_is_veto_fraction",
+                    "rollout_corr/rows_with_advantage")
 
 
 class Entry(NamedTuple):
