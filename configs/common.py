@@ -336,4 +336,7 @@ def study_config() -> ConfigDict:
         # per prompt in <workdir>/final_eval.json: each arm's change and its difference from the dense arm
         # get paired standard errors (sparrow_jax.run.final_eval). A finished study gains it when rerun.
         final_eval_prompts=0,
+        # its prompts start this many held-out prompts in (0: the validation prompts first): prompts no setting
+        # of the study was chosen on; a finished study rerun with another offset keeps the earlier record aside
+        final_eval_offset=0,
     ))

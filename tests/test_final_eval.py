@@ -141,6 +141,47 @@ def test_bad_final_eval_prompts_name_the_field(tmp_path):
     cfg.study.final_eval_prompts = 9  # a dataset holds out its first task.num_eval = 8 rows
     with pytest.raises(ConfigError, match="study.final_eval_prompts=9.*num_eval=8"):
         parse_spec(cfg)
+    cfg.study.final_eval_prompts, cfg.study.final_eval_offset = 6, 3  # rows 3-8 of 8
+    with pytest.raises(ConfigError, match="study.final_eval_prompts=6.*final_eval_offset=3.*num_eval=8"):
+        parse_spec(cfg)
+    with pytest.raises(ConfigError, match="study.final_eval_offset=-1"):
+        _tiny_spec(tmp_path, final_eval_offset=-1)
+
+
+def test_an_offset_evaluates_fresh_prompts_and_keeps_the_earlier_record(tmp_path, monkeypatch):
+    """study.final_eval_offset: the held-out rows past the first ``offset`` (none of them validation or
+    training rows); a study rerun with it is pending, and its evaluation moves the earlier record aside."""
+    from sparrow_jax.data.registry import get_task
+
+    spec = _tiny_spec(tmp_path, prompts=4)
+    fresh = _tiny_spec(tmp_path, prompts=4, final_eval_offset=3)
+    task = get_task(spec.task.name)
+    assert final_eval_rows(fresh, task) == final_eval_rows(_tiny_spec(tmp_path, prompts=7), task)[3:]
+    assert final_eval_rows(fresh, task)[0] not in final_eval_rows(spec, task)[:3]
+    assert final_eval_pending(fresh, {"final_eval": {"prompts": 4, "steps": 2}})  # made before offsets: 0
+    assert not final_eval_pending(spec, {"final_eval": {"prompts": 4, "steps": 2}})
+    assert not final_eval_pending(fresh, {"final_eval": {"prompts": 4, "steps": 2, "offset": 3}})
+
+    seen = []
+
+    def scored(ctx, params, schedule, rows, k, key):  # rewards that name the prompts each policy met
+        seen.append(rows)
+        return {name: np.arange(len(rows), dtype=float) for name in ("reward_greedy", "reward_mean@2", "success@2")}
+
+    from sparrow_jax.run.context import build_run_context
+    from sparrow_jax.sft.model_source import build_model
+
+    ctx = build_run_context(spec, None)
+    _save_final(tmp_path / "dense", build_model(spec.model, spec.task, ctx.tokenizer, 0)[1], spec.steps)
+    monkeypatch.setattr(final_eval, "evaluate_per_prompt", scored)
+    earlier = {"prompts": 4, "k": 2, "seed": 0, "steps": 2, "runs": {"start/seed_0": {"reward_mean@2": [0.5] * 4}}}
+    (tmp_path / FINAL_EVAL_FILE).write_text(json.dumps(earlier))
+    data = evaluate_final(fresh, {"dense": {0: str(tmp_path / "dense")}})
+    assert data["offset"] == 3 and set(data["runs"]) == {"start/seed_0", "dense/seed_0"}
+    assert seen == [final_eval_rows(fresh, task)] * 2  # both policies met the fresh prompts
+    assert json.loads((tmp_path / "final_eval.replaced-0.json").read_text()) == earlier  # kept, not lost
+    assert paired_figures(data)["offset"] == 3 and "(from held-out prompt 3)" in format_final_eval(
+        paired_figures(data))[0]
 
 
 def test_a_finished_study_continues_only_to_add_its_final_evaluation(tmp_path):
@@ -149,6 +190,7 @@ def test_a_finished_study_continues_only_to_add_its_final_evaluation(tmp_path):
     (tmp_path / "checkpoints").mkdir()  # the workdir holds a run
     new = _tiny_spec(tmp_path, prompts=64)
     check_workdir(new)  # the final evaluation trains nothing: allowed
+    check_workdir(_tiny_spec(tmp_path, prompts=64, final_eval_offset=64))  # nor on other prompts
     with pytest.raises(ConfigError, match="study.low_tau"):
         check_workdir(_tiny_spec(tmp_path, prompts=64, low_tau=0.5))
     assert final_eval_pending(new, {"steps": 2}) and final_eval_pending(new, {"final_eval": {"prompts": 3, "steps": 2}})
@@ -171,10 +213,13 @@ def test_merge_records_joins_seeds_run_as_separate_studies():
     second = dict(setting, runs={n: v for n, v in runs.items() if n == "start" or n.endswith("seed_2")},
                   seconds={"start": 1.0})
     merged = merge_records({"a": first, "b": second})
-    assert merged == dict(setting, runs=runs)
+    assert merged == dict(setting, offset=0, runs=runs)  # records from before study.final_eval_offset: offset 0
     assert paired_figures(merged) == paired_figures(dict(setting, runs=runs))
     with pytest.raises(ValueError, match="^b: final evaluation k=4 where a has 2"):
         merge_records({"a": first, "b": dict(second, k=4)})
+    assert merge_records({"a": first, "b": dict(second, offset=0)})["runs"] == runs
+    with pytest.raises(ValueError, match="^b: final evaluation offset=128 where a has 0"):
+        merge_records({"a": first, "b": dict(second, offset=128)})
     other_start = dict(second, runs=dict(second["runs"], start=per_prompt()))
     with pytest.raises(ValueError, match="b and a both evaluated 'start', with different rewards"):
         merge_records({"a": first, "b": other_start})

@@ -23,7 +23,7 @@ import numpy as np
 
 from sparrow_jax.io.metrics import read_metrics
 from sparrow_jax.run.final_eval_figures import (FINAL_EVAL_FILE, START, check_same_setting, paired_over_seeds,
-                                                run_name, start_run_name)
+                                                prompts_from, run_name, setting_value, start_run_name)
 from sparrow_jax.run.headline import step_seconds
 from sparrow_jax.run.report import training_rows
 
@@ -159,8 +159,8 @@ def compare_arms(entries: list[Entry], metric: Optional[str] = None) -> dict:
         run_dirs = {s: _run_dir(e.workdir, e.arm, s) for s in seeds}
         row["training"] = {s: _training_edges(d) for s, d in run_dirs.items() if d}
         arms[e.label] = row
-    return {"metric": metric, "prompts": first["prompts"], "k": first["k"], "reference": reference.label,
-            "arms": arms}
+    return {"metric": metric, "prompts": first["prompts"], "k": first["k"], "offset": setting_value(first, "offset"),
+            "reference": reference.label, "arms": arms}
 
 
 def format_comparison(figures: dict) -> list[str]:
@@ -169,8 +169,8 @@ def format_comparison(figures: dict) -> list[str]:
         return "-" if x is None else f"{x:{sign}.3f}" + ("" if se is None else f" +- {se:.3f}")
 
     ref = figures["reference"]
-    lines = [f"[compare] dense {figures['metric']} on {figures['prompts']} held-out prompts, paired over prompts "
-             f"and seeds; reference {ref}"]
+    lines = [f"[compare] dense {figures['metric']} on {figures['prompts']} held-out prompts{prompts_from(figures)}, "
+             f"paired over prompts and seeds; reference {ref}"]
     for label, row in figures["arms"].items():
         by_seed = " / ".join(f"{d:+.3f}" for d in row.get("vs_reference_by_seed", {}).values())
         versus = "" if label == ref else (f", vs {ref} {pm(row['vs_reference'], row['vs_reference_se'], '+')} "

@@ -28,7 +28,7 @@ from sparrow_jax.io import atomic_write_json
 from sparrow_jax.io.checkpoint import CheckpointManager, run_policy_params
 from sparrow_jax.rl.trainer import evaluate_per_prompt
 from sparrow_jax.run.context import build_examples, build_run_context
-from sparrow_jax.run.final_eval_figures import FINAL_EVAL_FILE, START, run_name
+from sparrow_jax.run.final_eval_figures import FINAL_EVAL_FILE, START, run_name, setting_value
 from sparrow_jax.run.specs import RunSpec
 from sparrow_jax.sft.model_source import build_model
 
@@ -38,8 +38,11 @@ FINAL_EVAL_KEY = 10**6 + 1  # folded into PRNGKey(seed): a key no training step 
 def final_eval_rows(spec: RunSpec, task: Task) -> list[dict]:
     """The ``study.final_eval_prompts`` held-out prompts: the task's held-out rows as validation
     draws them, more of them (the validation prompts come first; a generated task holds out rows
-    after its training rows, a dataset its first ``task.num_eval``)."""
-    return build_examples(dataclasses.replace(spec.task, num_eval=spec.study.final_eval_prompts), task)[1]
+    after its training rows, a dataset its first ``task.num_eval``), from held-out row
+    ``study.final_eval_offset`` on."""
+    first = spec.study.final_eval_offset
+    held_out = dataclasses.replace(spec.task, num_eval=first + spec.study.final_eval_prompts)
+    return build_examples(held_out, task)[1][first:]
 
 
 def start_name(spec: RunSpec, seed: int) -> str:
@@ -52,7 +55,8 @@ def final_eval_pending(spec: RunSpec, report: dict) -> bool:
     prompts, after as many steps: a study continued to more steps is evaluated anew)."""
     wanted = spec.study is not None and spec.study.final_eval_prompts > 0
     done = report.get("final_eval") or {}
-    return wanted and (done.get("prompts"), done.get("steps")) != (spec.study.final_eval_prompts, spec.steps)
+    return wanted and (done.get("prompts"), done.get("steps"), setting_value(done, "offset")) != (
+        spec.study.final_eval_prompts, spec.steps, spec.study.final_eval_offset)
 
 
 def _check_finished(workdir: str, steps: int) -> None:
@@ -69,13 +73,20 @@ def _check_finished(workdir: str, steps: int) -> None:
 
 
 def _load(path: str, setting: dict) -> dict:
-    """``final_eval.json`` if it was made with ``setting`` (prompts, k, seed, steps: arms continued to
-    more steps are evaluated anew), else a fresh record."""
-    if os.path.exists(path):
-        with open(path) as f:
-            data = json.load(f)
-        if all(data.get(k) == v for k, v in setting.items()):
-            return data
+    """``final_eval.json`` if it was made with ``setting`` (prompts, k, seed, steps, offset: arms
+    continued to more steps are evaluated anew), else a fresh record; a record made with another
+    setting is moved aside to ``final_eval.replaced-<n>.json`` first, not lost."""
+    if not os.path.exists(path):
+        return {**setting, "runs": {}}
+    with open(path) as f:
+        data = json.load(f)
+    if all(setting_value(data, k) == v for k, v in setting.items()):
+        return data
+    n = 0
+    while os.path.exists(aside := path.replace(".json", f".replaced-{n}.json")):
+        n += 1
+    os.replace(path, aside)
+    print(f"[final eval] {path} was made with another setting; kept as {aside}", flush=True)
     return {**setting, "runs": {}}
 
 
@@ -88,7 +99,8 @@ def evaluate_final(spec: RunSpec, arm_workdirs: dict[str, dict[int, str]]) -> di
     (metrics of :func:`~sparrow_jax.rl.trainer.evaluate_per_prompt`)."""
     n, k = spec.study.final_eval_prompts, spec.eval_k
     path = os.path.join(spec.workdir, FINAL_EVAL_FILE)
-    data = _load(path, {"prompts": n, "k": k, "seed": spec.seed, "steps": spec.steps})
+    data = _load(path, {"prompts": n, "k": k, "seed": spec.seed, "steps": spec.steps,
+                        "offset": spec.study.final_eval_offset})
     ctx = build_run_context(spec, None)
     rows = final_eval_rows(spec, ctx.task)
     key = jax.random.fold_in(jax.random.PRNGKey(spec.seed), FINAL_EVAL_KEY)

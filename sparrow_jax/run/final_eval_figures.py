@@ -60,7 +60,7 @@ def paired_figures(data: dict) -> dict:
         arm, _, seed = name.rpartition("/seed_")
         if arm and arm != START:
             done.setdefault(arm, []).append(int(seed))
-    out = {"prompts": data["prompts"], "k": data["k"], "steps": data.get("steps")}
+    out = {"prompts": data["prompts"], "k": data["k"], "steps": data.get("steps"), "offset": setting_value(data, "offset")}
     for metric in (f"reward_mean@{data['k']}", "reward_greedy"):
         values = lambda name: np.asarray(runs[name][metric], np.float64)  # noqa: E731
         starts = [values(n) for n in sorted({start_run_name(runs, s) for ss in done.values() for s in ss}) if n in runs]
@@ -82,16 +82,28 @@ def paired_figures(data: dict) -> dict:
     return out
 
 
-MERGED_SETTINGS = ("prompts", "k", "seed", "steps")  # what records must share to be merged
+MERGED_SETTINGS = ("prompts", "k", "seed", "steps", "offset")  # what records must share to be merged
+SETTING_DEFAULTS = {"offset": 0}  # a setting records made before it existed were all made with
+
+
+def prompts_from(record: dict) -> str:
+    """" (from held-out prompt <offset>)" for a record of prompts past the validation ones, else ""."""
+    offset = setting_value(record, "offset")
+    return f" (from held-out prompt {offset})" if offset else ""
+
+
+def setting_value(record: dict, key: str):
+    """A final evaluation record's (or report block's) setting ``key``; its default when the record predates it."""
+    return record.get(key, SETTING_DEFAULTS.get(key))
 
 
 def check_same_setting(name: str, record: dict, first_name: str, first: dict) -> None:
     """Raise ValueError, naming both workdirs, unless ``record`` was made with ``first``'s evaluation
     setting (:data:`MERGED_SETTINGS`)."""
     for k in MERGED_SETTINGS:
-        if record.get(k) != first.get(k):
-            raise ValueError(f"{name}: final evaluation {k}={record.get(k)!r} where {first_name} has "
-                             f"{first.get(k)!r}: not the same evaluation")
+        if setting_value(record, k) != setting_value(first, k):
+            raise ValueError(f"{name}: final evaluation {k}={setting_value(record, k)!r} where {first_name} has "
+                             f"{setting_value(first, k)!r}: not the same evaluation")
 
 
 def merge_records(records: dict[str, dict]) -> dict:
@@ -104,7 +116,7 @@ def merge_records(records: dict[str, dict]) -> dict:
     if not records:
         raise ValueError("merge_records: no final evaluation to merge")
     (first_name, first), *rest = records.items()
-    merged = {k: first.get(k) for k in MERGED_SETTINGS}
+    merged = {k: setting_value(first, k) for k in MERGED_SETTINGS}
     runs, origin = dict(first["runs"]), dict.fromkeys(first["runs"], first_name)
     for name, record in rest:
         check_same_setting(name, record, first_name, merged)
@@ -132,8 +144,8 @@ def format_final_eval(figures: dict) -> list[str]:
     def pm(x, se, sign=""):
         return "-" if x is None else f"{x:{sign}.3f}" + ("" if se is None else f"±{se:.3f}")
 
-    lines = [f"[final eval] dense {metric} on {figures['prompts']} held-out prompts, paired over prompts and "
-             f"seeds; start {pm(f['start'], f['start_se'])}"]
+    lines = [f"[final eval] dense {metric} on {figures['prompts']} held-out prompts{prompts_from(figures)}, paired "
+             f"over prompts and seeds; start {pm(f['start'], f['start_se'])}"]
     for arm, row in f["arms"].items():
         lines.append(f"[final eval] {arm:>17}: end {pm(row['end'], row['end_se'])}, change "
                      f"{pm(row['change'], row['change_se'], '+')}, vs dense "

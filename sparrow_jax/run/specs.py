@@ -203,6 +203,9 @@ class StudySpec:
     # > 0: after training, every arm's final dense policy (each seed) and the starting one sampled densely
     # on this many held-out prompts, rewards per prompt (sparrow_jax.run.final_eval): paired errors
     final_eval_prompts: int = 0
+    # the final evaluation's prompts start this many held-out prompts in (0: the validation prompts first):
+    # prompts no setting of the study was chosen on
+    final_eval_offset: int = 0
 
 
 STUDY_ARMS = ("dense", "calibrated", "aggressive", "online_dense", "online_aggressive", "online_distill",
@@ -459,9 +462,12 @@ def _validate_study(spec: RunSpec) -> None:
              "expected distinct non-negative ints (empty: the run's seed)")
     _require(isinstance(st.final_eval_prompts, int) and st.final_eval_prompts >= 0, "study.final_eval_prompts",
              st.final_eval_prompts, "expected an int >= 0 (0: no final evaluation)")
+    _require(isinstance(st.final_eval_offset, int) and not isinstance(st.final_eval_offset, bool)
+             and st.final_eval_offset >= 0, "study.final_eval_offset", st.final_eval_offset, "expected an int >= 0")
     if st.final_eval_prompts and spec.task.dataset:  # a dataset's held-out rows are its first task.num_eval
-        _require(st.final_eval_prompts <= spec.task.num_eval, "study.final_eval_prompts", st.final_eval_prompts,
-                 f"a dataset holds out task.num_eval={spec.task.num_eval} rows; more would take training rows")
+        _require(st.final_eval_offset + st.final_eval_prompts <= spec.task.num_eval, "study.final_eval_prompts",
+                 st.final_eval_prompts, f"from held-out row study.final_eval_offset={st.final_eval_offset}: a "
+                 f"dataset holds out task.num_eval={spec.task.num_eval} rows; more would take training rows")
     if "calibrated_low" in st.arms:  # read only by that arm
         _require(0 < st.low_tau < spec.calibration.tau, "study.low_tau", st.low_tau,
                  f"must be in (0, calibration.tau={spec.calibration.tau})")

@@ -24,9 +24,9 @@ CONFIG_FILE = "config.json"
 # often it saves and evaluates, the device mesh it runs on (checkpoints restore resharded), and
 # dry_run (a dry run stops before the workdir is touched), a study's arms (each arm's run is set by
 # the rest of the config, so arms added later run beside the finished ones, unchanged), and its
-# final evaluation (it reads the finished arms, trains nothing).
+# final evaluation and its prompts (it reads the finished arms, trains nothing).
 CONTINUABLE = ("workdir", "steps", "checkpoint_every", "keep_checkpoints", "eval_every", "mesh", "dry_run",
-               "study.arms", "study.final_eval_prompts")
+               "study.arms", "study.final_eval_prompts", "study.final_eval_offset")
 
 
 def run_state(workdir: str) -> list[str]:
