@@ -1,7 +1,8 @@
 """Which tokens of a recurrence_trace completion the sparse actor gets wrong: the acceptance rate
 per token kind.
 
-    python -m experiments.acceptance_by_kind --config configs/headline.py [--prompts 32] [--samples 2]
+    python -m experiments.acceptance_by_kind --config configs/headline.py [--prompts 32] [--samples 2] \
+        [--from_position 1280]
 
 The run's initial policy samples ``--samples`` dense completions of each of the first
 ``--prompts`` held-out prompts; the sparse actor at the run's schedule (``<workdir>/schedule.json``
@@ -11,7 +12,9 @@ from its place in its line (``NN:d`` local lines, ``NN:k=c`` look-ups): ``index`
 number's digits), ``colon``, ``local`` (a local line's digit), ``key`` (a look-up's key letter),
 ``equals``, ``constant`` (the looked-up constant), ``newline``, ``other``. Per kind: its share of
 the tokens, the mean and 5th percentile of the acceptance rate, and the share of its tokens
-below 0.5. The last stdout line is JSON.
+below 0.5; ``--from_position`` counts only the tokens at that position or later (positions as the
+schedule's bins count them, the prompt included: 1280 is the headline's last bin). The last stdout
+line is JSON.
 
 Why: the schedule holds the 5th percentile of every position bin at tau, and yet on this task
 the sparse actor's samples score less than half the dense ones (docs/results.md). A kind that is
@@ -65,7 +68,7 @@ def kind_table(alpha: np.ndarray, kinds: np.ndarray) -> dict[str, dict]:
     return out
 
 
-def main(spec, prompts: int, samples: int) -> dict:
+def main(spec, prompts: int, samples: int, from_position: int = 0) -> dict:
     from sparrow_jax.mismatch.scorers import score_rollout
     from sparrow_jax.rl.trainer import sample
     from sparrow_jax.run.context import build_run_context
@@ -86,10 +89,15 @@ def main(spec, prompts: int, samples: int) -> dict:
         # the builtin tokenizer: one character a token, but for its named tokens (<eos>, start, ...)
         pieces = [ctx.tokenizer.decode([i]) for i in ids]
         chars = iter(token_kinds("".join(p for p in pieces if len(p) == 1)))
-        all_kinds += [next(chars) if len(p) == 1 else "other" for p in pieces]
-        all_alpha.append(alpha[b, rollout.prompt_lens[b]:rollout.lengths[b]])
+        kinds = [next(chars) if len(p) == 1 else "other" for p in pieces]
+        counted = max(from_position - int(rollout.prompt_lens[b]), 0)  # generated tokens before from_position
+        all_kinds += kinds[counted:]
+        all_alpha.append(alpha[b, rollout.prompt_lens[b] + counted:rollout.lengths[b]])
     alpha_flat, kinds_flat = np.concatenate(all_alpha), np.asarray(all_kinds)
-    summary = {"prompts": prompts, "samples": samples, "reward_mean": float(np.mean(rewards)),
+    if alpha_flat.size == 0:
+        raise ValueError(f"acceptance_by_kind: no generated token at position >= --from_position={from_position}")
+    summary = {"prompts": prompts, "samples": samples, "from_position": from_position,
+               "reward_mean": float(np.mean(rewards)),
                "schedule_topk": [int(k) for k in np.asarray(ctx.schedule.topk)],
                "all": {"p5": float(np.percentile(alpha_flat, 5)), "mean": float(alpha_flat.mean()),
                        "tokens": int(alpha_flat.size)},
@@ -102,7 +110,8 @@ def _cli() -> None:
     config = define_config_flag()
     prompts = flags.DEFINE_integer("prompts", 32, "held-out prompts sampled")
     samples = flags.DEFINE_integer("samples", 2, "dense completions per prompt")
-    config_main(config, lambda spec: main(spec, prompts.value, samples.value))
+    from_position = flags.DEFINE_integer("from_position", 0, "count only the tokens at this position or later")
+    config_main(config, lambda spec: main(spec, prompts.value, samples.value, from_position.value))
 
 
 if __name__ == "__main__":

@@ -42,6 +42,12 @@ def test_a_small_run_scores_every_completion_token(tmp_path, capsys):
     assert sum(k["share"] for k in kinds.values()) == pytest.approx(1.0)
     assert {"index", "colon", "local", "newline"} <= set(kinds)
     assert all(0 <= k["p5"] <= 1 + 1e-6 and 0 <= k["mean"] <= 1 + 1e-6 for k in kinds.values())
+    # --from_position: the same samples (one key), only the tokens at that position or later
+    late = main(parse_spec(cfg), prompts=2, samples=2, from_position=150)
+    assert late["from_position"] == 150 and 0 < late["all"]["tokens"] < summary["all"]["tokens"]
+    assert sum(k["tokens"] for k in late["kinds"].values()) == late["all"]["tokens"]
+    with pytest.raises(ValueError, match="no generated token at position >= --from_position=10000"):
+        main(parse_spec(cfg), prompts=2, samples=2, from_position=10_000)
 
 
 def test_another_task_is_refused(tmp_path):
