@@ -66,6 +66,7 @@ def warmup_config() -> ConfigDict:
         slip_sparse_topk=0,  # pages of the slip run's sparse NLL term (0: refine_sparse_topk)
         slip_sparse_weight=0.0,  # weight of the slip run's sparse NLL term (0: refine_sparse_weight)
         slip_reserved_first=1,  # first pages always kept in the slip run's sparse actor (1: the sampler's default)
+        slip_selector="centroid",  # page scoring rule of the slip run's sparse actor: centroid | quest
         preamble_steps=0,  # steps of a run on rows with task.preamble_tokens after the warm-up without (0: none)
         preamble_lr=1e-3,  # peak learning rate of the preamble run
         preamble_batch_size=4,  # rows per preamble step

@@ -221,8 +221,8 @@ def test_slip_settings_are_checked_and_enter_the_key_only_when_set():
 
 
 def test_the_slip_runs_own_sparse_loss_is_checked_keyed_and_reaches_the_layout():
-    """slip_sparse_topk / slip_sparse_weight / slip_reserved_first: the slip run's sparse loss is the
-    refine's unless set; set without a slip run or with a weight but no top-k they are refused; they
+    """slip_sparse_topk / slip_sparse_weight / slip_reserved_first / slip_selector: the slip run's sparse
+    loss is the refine's unless set; set without a slip run or with a weight but no top-k they are refused; they
     enter the cache key only when set, and the slip run's base is the warm-up without them. The kept
     first pages reach the sparse actor: with every page kept the sparse NLL is the dense one."""
     import jax
@@ -237,9 +237,14 @@ def test_the_slip_runs_own_sparse_loss_is_checked_keyed_and_reaches_the_layout()
     refine = WarmupSettings(refine_steps=5, refine_sparse_topk=8, refine_sparse_weight=1.0)
     slipped = dataclasses.replace(refine, slip_steps=7, slip_prob=0.002)
     own = dataclasses.replace(slipped, slip_sparse_topk=4, slip_sparse_weight=2.0, slip_reserved_first=6)
-    assert slip_sparse_loss(slipped) == dict(sparse_topk=8, sparse_weight=1.0, sparse_reserved_first=1)
-    assert slip_sparse_loss(own) == dict(sparse_topk=4, sparse_weight=2.0, sparse_reserved_first=6)
-    for bad in (dict(slip_sparse_topk=4), dict(slip_reserved_first=6), dict(slip_sparse_weight=1.0)):
+    quest = dataclasses.replace(own, slip_reserved_first=1, slip_selector="quest")
+    assert slip_sparse_loss(slipped) == dict(sparse_topk=8, sparse_weight=1.0, sparse_reserved_first=1,
+                                             sparse_selector="centroid")
+    assert slip_sparse_loss(own) == dict(sparse_topk=4, sparse_weight=2.0, sparse_reserved_first=6,
+                                         sparse_selector="centroid")
+    assert slip_sparse_loss(quest)["sparse_selector"] == "quest"
+    for bad in (dict(slip_sparse_topk=4), dict(slip_reserved_first=6), dict(slip_sparse_weight=1.0),
+                dict(slip_selector="quest")):
         with pytest.raises(ValueError, match="need slip_steps > 0"):
             WarmupSettings(**bad)
     for bad in (dict(slip_sparse_topk=-1), dict(slip_sparse_weight=-1.0), dict(slip_reserved_first=0)):
@@ -247,10 +252,14 @@ def test_the_slip_runs_own_sparse_loss_is_checked_keyed_and_reaches_the_layout()
             WarmupSettings(slip_steps=7, slip_prob=0.1, **bad)
     with pytest.raises(ValueError, match="sparse loss weight needs a top-k"):
         WarmupSettings(slip_steps=7, slip_prob=0.1, slip_sparse_weight=1.0)
+    with pytest.raises(ValueError, match="slip_selector must be one of"):
+        WarmupSettings(slip_steps=7, slip_prob=0.1, slip_selector="bogus")
     config, knobs = warmup_architecture(_spec().model), dict(task_knobs(_spec().task), key_letters=1)
-    keys = {warmup_key(config, knobs, s) for s in (slipped, own, dataclasses.replace(own, slip_reserved_first=1))}
-    assert len(keys) == 3
-    assert continued_warmup(knobs, own) == continued_warmup(knobs, slipped) == ("slip", knobs, refine)
+    layouts = (slipped, own, dataclasses.replace(own, slip_reserved_first=1), quest)
+    keys = {warmup_key(config, knobs, s) for s in layouts}
+    assert len(keys) == 4
+    assert continued_warmup(knobs, own) == continued_warmup(knobs, slipped) == continued_warmup(knobs, quest) \
+        == ("slip", knobs, refine)
 
     params = jax.tree.map(lambda w: 4.0 * w, init_params(config, seed=2))  # sharper attention than at init
     tokens = jnp.asarray(np.random.default_rng(0).integers(3, config.vocab_size, size=(2, 160)), jnp.int32)
@@ -263,6 +272,9 @@ def test_the_slip_runs_own_sparse_loss_is_checked_keyed_and_reaches_the_layout()
                                          sparse_weight=1.0)[0])
     assert loss(table) == pytest.approx(2 * ref, rel=1e-5)  # 10 pages kept: every page of a 160-token row
     assert abs(loss(warmup_sparse_layout(config, 1)) - 2 * ref) > 1e-2
+    # the selector reaches the sparse actor: quest's pages give another loss than centroid's at one page
+    assert warmup_sparse_layout(config, 1, selector="quest").selector == "quest"
+    assert abs(loss(warmup_sparse_layout(config, 1, selector="quest")) - loss(warmup_sparse_layout(config, 1))) > 1e-4
 
 
 def test_the_configs_curriculum_rows_do_not_depend_on_the_rl_length():
@@ -352,13 +364,16 @@ def test_lookup_weight_adds_the_nll_of_the_tokens_after_an_equals_sign():
     assert float(plain) == pytest.approx(ref_nll, rel=1e-5)
 
 
-@pytest.mark.parametrize("config_name, topk, reserved_first", [("headline", 8, 1), ("headline_sparse", 4, 6)])
-def test_the_headline_warmup_ships_and_reads_the_table(config_name, topk, reserved_first):
-    """configs/headline.py's and headline_sparse.py's warm-ups ship: found by their settings' hash,
+@pytest.mark.parametrize("config_name, topk, reserved_first, selector",
+                         [("headline", 8, 1, "centroid"), ("headline_sparse", 4, 6, "centroid"),
+                          ("headline_quest", 4, 1, "quest")])
+def test_the_headline_warmup_ships_and_reads_the_table(config_name, topk, reserved_first, selector):
+    """configs/headline.py's, headline_sparse.py's and headline_quest.py's warm-ups ship: found by their settings' hash,
     trained with exactly the config's settings on the config's task, small, load, and on fresh task
     rows at the task's rate (120 lines) predict the looked-up constants (teacher-forced) far above
     chance (0.1), and so does the sparse actor their sparse loss trained (8 pages with the first
-    kept; 4 with the key table's 6 kept) nearly every reference token."""
+    kept; 4 with the key table's 6 kept; 4 selected by quest with the first kept) nearly every
+    reference token."""
     import importlib
     import json
 
@@ -399,8 +414,8 @@ def test_the_headline_warmup_ships_and_reads_the_table(config_name, topk, reserv
     # teacher-forced, it puts < 1/2 on few reference tokens (measured 0.7% for the headline warm-up at
     # 8 pages, vs the dense warm-up's 18%)
     prompt_lens = jnp.asarray([int(np.argmax(m)) for m in ref_mask])
-    sparse = sparse_hidden(loaded, params, jnp.asarray(tokens), warmup_sparse_layout(loaded, topk, reserved_first),
-                           prompt_lens=prompt_lens)
+    layout = warmup_sparse_layout(loaded, topk, reserved_first, selector)
+    sparse = sparse_hidden(loaded, params, jnp.asarray(tokens), layout, prompt_lens=prompt_lens)
     logp = np.asarray(token_logprobs(sparse, unembedding(loaded, params), jnp.asarray(tokens))[0])
     assert np.mean(logp[ref_mask] < np.log(0.5)) <= SPARSE_WRONG_CEILING
 

@@ -2,13 +2,14 @@
 
 :class:`WarmupSettings` holds every training setting (all enter the cache key, see
 :mod:`sparrow_jax.sft.cache`); :func:`warmup_settings` reads them from a run's ``model.warmup``
-block. Imports models only (and the run specs for type hints).
+block. Imports models and the attention's selector names only (and the run specs for type hints).
 """
 from __future__ import annotations
 
 import dataclasses
 from typing import TYPE_CHECKING, Any
 
+from sparrow_jax.attention.selection import SELECTORS
 from sparrow_jax.models.config import Qwen3Config
 from sparrow_jax.models.tokenizer import BuiltinTokenizer
 
@@ -19,7 +20,7 @@ if TYPE_CHECKING:
 # and what the final evaluation measures (context lengths, trace lengths, prompts per entry).
 _NOT_HASHED = ("cache_dir", "eval_lengths", "eval_hops", "eval_prompts")
 # the slip run's own sparse loss at its defaults: the refine's loss, the sampler's kept first page
-SLIP_LAYOUT_DEFAULTS = dict(slip_sparse_topk=0, slip_sparse_weight=0.0, slip_reserved_first=1)
+SLIP_LAYOUT_DEFAULTS = dict(slip_sparse_topk=0, slip_sparse_weight=0.0, slip_reserved_first=1, slip_selector="centroid")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,7 +86,7 @@ class WarmupSettings:
       more reliably, and RL barely moves them (docs/results.md); a warm-up that keeps
       ``slip_prob`` of its mass on the neighbouring key has a flaw its own samples expose, so the
       dense policy has room to learn, as a pretrained model's pass@k exceeds its pass@1.
-    slip_sparse_topk, slip_sparse_weight, slip_reserved_first: the slip run's sparse loss, where it
+    slip_sparse_topk, slip_sparse_weight, slip_reserved_first, slip_selector: the slip run's sparse loss, where it
       differs from the refine's: ``slip_sparse_topk`` selected pages (0: ``refine_sparse_topk``) at
       weight ``slip_sparse_weight`` (0: ``refine_sparse_weight``), with the first
       ``slip_reserved_first`` pages always kept (1: the sampler's default; a calibrated schedule's
@@ -93,7 +94,9 @@ class WarmupSettings:
       with). Why: the refine's 8 pages with one kept taught a sparse actor that still needed
       ~90% of the pages late in the headline's traces; a slip run at a tiny ``slip_prob`` (0.2%:
       a second refine, in effect) at 4 pages, the table's 6 kept and weight 2 brings top-k 4's
-      p5 to >= 0.87 in every bin (docs/results.md).
+      p5 to >= 0.87 in every bin (docs/results.md). ``slip_selector`` is the page scoring rule of that
+      sparse actor (``"centroid"``, the refine's, or ``"quest"``): a layout whose rollouts select the
+      key table's pages instead of keeping them trains with the selector that finds them.
     preamble_steps, preamble_lr, preamble_batch_size: for a task with ``preamble_tokens`` (required
       there, else 0): the warm-up of the same task without the preamble (all the settings above;
       found shipped, cached or trained by its own key), then a run of its own like the refine one
@@ -133,6 +136,7 @@ class WarmupSettings:
     slip_sparse_topk: int = 0
     slip_sparse_weight: float = 0.0
     slip_reserved_first: int = 1
+    slip_selector: str = "centroid"
     preamble_steps: int = 0
     preamble_lr: float = 1e-3
     preamble_batch_size: int = 4
@@ -163,10 +167,12 @@ class WarmupSettings:
         if int(self.slip_sparse_topk) < 0 or not self.slip_sparse_weight >= 0.0 or int(self.slip_reserved_first) < 1:
             raise ValueError(f"warmup slip_sparse_topk and slip_sparse_weight must be >= 0 and slip_reserved_first >= 1, "
                              f"got {self.slip_sparse_topk}, {self.slip_sparse_weight} and {self.slip_reserved_first}")
+        if self.slip_selector not in SELECTORS:
+            raise ValueError(f"warmup slip_selector must be one of {SELECTORS}, got {self.slip_selector!r}")
         slip_layout = any(getattr(self, name) != default for name, default in SLIP_LAYOUT_DEFAULTS.items())
         if slip_layout and not self.slip_steps:
-            raise ValueError(f"warmup slip_sparse_topk / slip_sparse_weight / slip_reserved_first set the slip run's "
-                             f"sparse loss and need slip_steps > 0, got slip_steps {self.slip_steps}")
+            raise ValueError(f"warmup slip_sparse_topk / slip_sparse_weight / slip_reserved_first / slip_selector set "
+                             f"the slip run's sparse loss and need slip_steps > 0, got slip_steps {self.slip_steps}")
         if self.slip_steps and (self.slip_sparse_weight or self.refine_sparse_weight) and \
                 not (self.slip_sparse_topk or self.refine_sparse_topk):
             raise ValueError(f"warmup slip run: a sparse loss weight needs a top-k (slip_ or refine_), got "

@@ -63,23 +63,25 @@ def sft_loss(config: Qwen3Config, params: Params, tokens: jax.Array, mask: jax.A
     return loss, ref
 
 
-def warmup_sparse_layout(config: Qwen3Config, topk: int, reserved_first: int = 1) -> SparsitySchedule:
+def warmup_sparse_layout(config: Qwen3Config, topk: int, reserved_first: int = 1,
+                         selector: str = "centroid") -> SparsitySchedule:
     """The sparse actor of the refine (or slip) phase's sparse loss: every layer sparse, ``topk``
-    selected pages everywhere, pages of 16 tokens, the first ``reserved_first`` and the last two kept
-    (by default the sampler's layout)."""
+    pages selected by ``selector`` everywhere, pages of 16 tokens, the first ``reserved_first`` and the
+    last two kept (by default the sampler's layout)."""
     return SparsitySchedule(topk=(int(topk),), bin_width=config.max_position_embeddings, dense_layers=(),
-                            name=f"warmup-topk{int(topk)}", reserved_first=int(reserved_first))
+                            name=f"warmup-topk{int(topk)}", reserved_first=int(reserved_first), selector=selector)
 
 
 def make_train_step(config: Qwen3Config, optimizer: optax.GradientTransformation, prompt_weight: float = 0.0,
                     lookup_weight: float = 0.0, sparse_topk: int = 0, sparse_weight: float = 0.0,
-                    sparse_reserved_first: int = 1):
+                    sparse_reserved_first: int = 1, sparse_selector: str = "centroid"):
     """One jitted step ``(params, opt_state, tokens, mask, prompt_mask) -> (params, opt_state, ref_nll)``
     (``lookup_weight``: extra weight of the tokens after ``=``; ``sparse_weight`` > 0: the sparse
-    actor's NLL at ``sparse_topk`` pages with the first ``sparse_reserved_first`` kept, see
+    actor's NLL at ``sparse_topk`` pages (``sparse_selector``'s) with the first ``sparse_reserved_first`` kept, see
     :func:`sft_loss`)."""
     eq = BuiltinTokenizer().encode("=")[0]
-    sparse = warmup_sparse_layout(config, sparse_topk, sparse_reserved_first) if sparse_weight else None
+    sparse = (warmup_sparse_layout(config, sparse_topk, sparse_reserved_first, sparse_selector)
+              if sparse_weight else None)
 
     def step(params, opt_state, tokens, mask, prompt_mask):
         (_, ref), grads = jax.value_and_grad(
@@ -152,10 +154,10 @@ def main_phase(config: Qwen3Config, knobs: dict[str, Any], settings: WarmupSetti
 
 def slip_sparse_loss(settings: WarmupSettings) -> dict[str, Any]:
     """:func:`make_train_step`'s sparse-loss arguments for the slip run: its own top-k and weight where
-    set (else the refine's) and its kept first pages."""
+    set (else the refine's), its kept first pages and its page selector."""
     return dict(sparse_topk=settings.slip_sparse_topk or settings.refine_sparse_topk,
                 sparse_weight=settings.slip_sparse_weight or settings.refine_sparse_weight,
-                sparse_reserved_first=settings.slip_reserved_first)
+                sparse_reserved_first=settings.slip_reserved_first, sparse_selector=settings.slip_selector)
 
 
 def continued_phase(config: Qwen3Config, knobs: dict[str, Any], settings: WarmupSettings, phase: str,
