@@ -135,9 +135,10 @@ def test_a_tiny_recurrence_warmup_trains_and_reports_by_trace_length(tmp_path, m
     spec = _spec(min_lines=12, steps=3, batch_size=2, min_context=16, max_train_context=32, queries_per_example=1,
                  curriculum=((3, 32, 12, 2),), eval_lengths=(96,), eval_hops=(12,), eval_prompts=2,
                  slip_steps=2, slip_batch_size=2, slip_prob=0.3, slip_sparse_topk=1, slip_sparse_weight=0.5,
-                 slip_reserved_first=2, key_letters=1)
+                 slip_reserved_first=2, slip_selector="quest", key_letters=1)
     path = warmup_model(spec.model, spec.task, cache_dir=str(tmp_path), progress=False)
-    assert steps_built[-1] == dict(sparse_topk=1, sparse_weight=0.5, sparse_reserved_first=2)  # the slip run's
+    assert steps_built[-1] == dict(sparse_topk=1, sparse_weight=0.5, sparse_reserved_first=2,
+                                   sparse_selector="quest")  # the slip run's
     meta = read_warmup_meta(path)
     assert meta["task"] == dict(name="recurrence_trace", context_tokens=96, min_lines=12, far_every=10,
                                 gap_tokens=0, key_letters=1)
@@ -146,6 +147,7 @@ def test_a_tiny_recurrence_warmup_trains_and_reports_by_trace_length(tmp_path, m
     base = read_warmup_meta(str(tmp_path / f"warmup-{meta['base_key']}"))
     assert meta["train"]["slip_steps"] == 2 and base["train"]["slip_steps"] == 0 and meta["slip_seconds"] > 0
     assert (meta["train"]["slip_reserved_first"], base["train"]["slip_reserved_first"]) == (2, 1)
+    assert (meta["train"]["slip_selector"], base["train"]["slip_selector"]) == ("quest", "centroid")
     assert meta["train_seconds"] > base["train_seconds"]
 
 
